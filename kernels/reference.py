@@ -1,0 +1,48 @@
+"""Pure-torch reference implementations of the hot ops (see ops.py for shapes)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Computed in float32 and cast back, as transformers' Llama/Qwen RMSNorm does.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    cos = cos.unsqueeze(1)  # [T, 1, Dr]
+    sin = sin.unsqueeze(1)
+    return (x * cos) + (rotate_half(x) * sin)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    t, s = q.shape[0], k.shape[0]
+    start = s - t
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, T|S, D]
+    if start == 0:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        pos_q = torch.arange(start, s, device=q.device).unsqueeze(1)
+        pos_k = torch.arange(s, device=q.device).unsqueeze(0)
+        mask = pos_k <= pos_q  # [T, S] bottom-right causal
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    hq, hkv = q.shape[0], k.shape[1]
+    g = hq // hkv
+    qg = q.view(hkv, g, -1).float()  # [Hkv, G, D]
+    scores = torch.einsum("hgd,shd->hgs", qg, k.float()) * scale
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("hgs,shd->hgd", probs, v.float())
+    return out.reshape(hq, -1).to(q.dtype)

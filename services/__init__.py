@@ -1,0 +1,1 @@
+"""keepwarm: LLM chat serving that never prefills the same prefix twice."""

@@ -1,0 +1,240 @@
+"""Dense attention family: llama, qwen2, qwen3 (GQA/MQA, RoPE with scaling,
+qk-norm for qwen3, q/k/v bias for qwen2, tied or untied embeddings).
+
+State per layer: preallocated K and V rows, `layers.{i}.k` / `layers.{i}.v`
+[capacity, num_kv_heads, head_dim]; a snapshot is the first `position` rows
+(contiguous views, no copy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from keepwarm.engine.backend import State
+from keepwarm.engine.checkpoint import Checkpoint, CheckpointError
+from keepwarm.engine.models.rope import Rope, build_rope
+from keepwarm.engine.snapshot import LOGITS, Geometry, Snapshot, SnapshotMismatch, TensorSpec
+from keepwarm.kernels.ops import Ops
+
+
+@dataclass(frozen=True)
+class DenseConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qk_norm: bool
+
+    @staticmethod
+    def from_dict(cfg: dict[str, Any]) -> DenseConfig:
+        try:
+            num_heads = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            return DenseConfig(
+                model_type=str(cfg["model_type"]),
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=num_heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+                head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                qk_norm=cfg["model_type"] == "qwen3",
+            )
+        except KeyError as e:
+            raise CheckpointError(f"config.json: required field {e.args[0]!r} is missing") from e
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor
+    w_qkv: torch.Tensor  # [(Hq + 2 Hkv) D, hidden]: q, k, v projections fused
+    b_qkv: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    w_o: torch.Tensor
+    b_o: torch.Tensor | None
+    post_norm: torch.Tensor
+    w_gate_up: torch.Tensor  # [2 I, hidden]: gate and up fused
+    b_gate_up: torch.Tensor | None
+    w_down: torch.Tensor
+    b_down: torch.Tensor | None
+
+
+class DenseBackend:
+    family = "dense"
+
+    def __init__(
+        self, cfg: DenseConfig, raw_cfg: dict[str, Any], weights: dict[str, Any], device: torch.device,
+        dtype: torch.dtype, ops: Ops,
+    ) -> None:
+        self.cfg = cfg
+        self.device = device
+        self.dtype = dtype
+        self.ops = ops
+        self.vocab_size = cfg.vocab_size
+        self.embed: torch.Tensor = weights["embed"]
+        self.lm_head: torch.Tensor = weights["lm_head"]
+        self.final_norm: torch.Tensor = weights["final_norm"]
+        self.layers: list[_Layer] = weights["layers"]
+        self.rope: Rope = build_rope(raw_cfg, cfg.head_dim, device)
+        self.scale = cfg.head_dim**-0.5
+        kv_shape = (-1, cfg.num_kv_heads, cfg.head_dim)
+        specs = []
+        for i in range(cfg.num_layers):
+            for part in ("k", "v"):
+                specs.append(TensorSpec(f"layers.{i}.{part}", dtype, kv_shape, length_dim=0, rows=_identity))
+        specs.append(TensorSpec(LOGITS, torch.float32, (cfg.vocab_size,)))
+        self.geometry = Geometry(tuple(specs))
+
+    # -- state ---------------------------------------------------------------
+    def new_state(self, capacity: int) -> State:
+        c = self.cfg
+        tensors = {}
+        for s in self.geometry.specs:
+            if s.length_dim is not None:
+                tensors[s.name] = torch.empty(
+                    (capacity, c.num_kv_heads, c.head_dim), dtype=self.dtype, device=self.device
+                )
+        return State(capacity=capacity, tensors=tensors)
+
+    def export(self, state: State) -> Snapshot:
+        assert state.logits is not None, "export needs at least one token of state"
+        p = state.position
+        out = {name: t[:p] for name, t in state.tensors.items()}
+        out[LOGITS] = state.logits
+        return Snapshot(p, out)
+
+    def adopt(self, snapshot: Snapshot, capacity: int) -> State:
+        if snapshot.position > capacity:
+            raise SnapshotMismatch(f"snapshot covers {snapshot.position} tokens, capacity is {capacity}")
+        self.geometry.validate(snapshot.tensors, snapshot.position)
+        state = self.new_state(capacity)
+        p = snapshot.position
+        for name, t in state.tensors.items():
+            t[:p].copy_(snapshot.tensors[name])
+        state.position = p
+        state.logits = snapshot.tensors[LOGITS].to(self.device, torch.float32, copy=True)
+        return state
+
+    # -- compute -------------------------------------------------------------
+    def prefill(self, state: State, tokens: torch.Tensor) -> torch.Tensor:
+        return self.forward(state, tokens)[0]
+
+    def decode(self, state: State, token: int) -> torch.Tensor:
+        return self.forward(state, torch.tensor([token], device=self.device))[0]
+
+    @torch.inference_mode()
+    def forward(self, state: State, tokens: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+        """Advance `state` by `tokens` [T]; logits [1 or T, vocab] float32."""
+        c, ops = self.cfg, self.ops
+        t = int(tokens.shape[0])
+        start = state.position
+        end = start + t
+        assert end <= state.capacity, f"state capacity {state.capacity} exceeded ({end} tokens)"
+        tokens = tokens.to(self.device)
+        x = F.embedding(tokens, self.embed)
+        cos, sin = self.rope.cos_sin(start, t, self.dtype)
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        for i, layer in enumerate(self.layers):
+            h = ops.rms_norm(x, layer.input_norm, c.rms_norm_eps)
+            q, k, v = F.linear(h, layer.w_qkv, layer.b_qkv).split([q_size, kv_size, kv_size], dim=-1)
+            q = q.view(t, c.num_heads, c.head_dim)
+            k = k.view(t, c.num_kv_heads, c.head_dim)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                q = ops.rms_norm(q, layer.q_norm, c.rms_norm_eps)
+                k = ops.rms_norm(k, layer.k_norm, c.rms_norm_eps)
+            q = ops.rotary(q, cos, sin)
+            k = ops.rotary(k, cos, sin)
+            k_cache, v_cache = state.tensors[f"layers.{i}.k"], state.tensors[f"layers.{i}.v"]
+            k_cache[start:end] = k
+            v_cache[start:end] = v.view(t, c.num_kv_heads, c.head_dim)
+            if t == 1:
+                attn = ops.decode_attention(q[0], k_cache[:end], v_cache[:end], self.scale).unsqueeze(0)
+            else:
+                attn = ops.prefill_attention(q, k_cache[:end], v_cache[:end], self.scale)
+            x = x + F.linear(attn.reshape(t, q_size), layer.w_o, layer.b_o)
+            h = ops.rms_norm(x, layer.post_norm, c.rms_norm_eps)
+            gate, up = F.linear(h, layer.w_gate_up, layer.b_gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.w_down, layer.b_down)
+        if not all_logits:
+            x = x[-1:]
+        logits = F.linear(ops.rms_norm(x, self.final_norm, c.rms_norm_eps), self.lm_head).float()
+        state.position = end
+        state.logits = logits[-1]
+        return logits
+
+
+def _identity(position: int) -> int:
+    return position
+
+
+def build(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, ops: Ops) -> DenseBackend:
+    cfg = DenseConfig.from_dict(ckpt.config)
+    hid, d = cfg.hidden_size, cfg.head_dim
+    q_size, kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
+
+    def w(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return ckpt.load(name, dtype, device, shape=shape)
+
+    def opt(name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        return w(name, shape) if ckpt.has(name) else None
+
+    def fused(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+        if all(p is None for p in parts):
+            return None
+        assert all(p is not None for p in parts), "a fused projection has bias on some parts only"
+        return torch.cat([p for p in parts if p is not None], dim=0)
+
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        wq, wk, wv = w(a + "q_proj.weight", (q_size, hid)), w(a + "k_proj.weight", (kv_size, hid)), w(
+            a + "v_proj.weight", (kv_size, hid)
+        )
+        w_qkv = torch.cat([wq, wk, wv], dim=0)
+        del wq, wk, wv
+        inter = cfg.intermediate_size
+        wg, wu = w(m + "gate_proj.weight", (inter, hid)), w(m + "up_proj.weight", (inter, hid))
+        w_gate_up = torch.cat([wg, wu], dim=0)
+        del wg, wu
+        layers.append(
+            _Layer(
+                input_norm=w(p + "input_layernorm.weight", (hid,)),
+                w_qkv=w_qkv,
+                b_qkv=fused(
+                    [opt(a + "q_proj.bias", (q_size,)), opt(a + "k_proj.bias", (kv_size,)), opt(a + "v_proj.bias", (kv_size,))]
+                ),
+                q_norm=w(a + "q_norm.weight", (d,)) if cfg.qk_norm else None,
+                k_norm=w(a + "k_norm.weight", (d,)) if cfg.qk_norm else None,
+                w_o=w(a + "o_proj.weight", (hid, q_size)),
+                b_o=opt(a + "o_proj.bias", (hid,)),
+                post_norm=w(p + "post_attention_layernorm.weight", (hid,)),
+                w_gate_up=w_gate_up,
+                b_gate_up=fused([opt(m + "gate_proj.bias", (inter,)), opt(m + "up_proj.bias", (inter,))]),
+                w_down=w(m + "down_proj.weight", (hid, inter)),
+                b_down=opt(m + "down_proj.bias", (hid,)),
+            )
+        )
+    embed = w("model.embed_tokens.weight", (cfg.vocab_size, hid))
+    if ckpt.has("lm_head.weight"):
+        lm_head = w("lm_head.weight", (cfg.vocab_size, hid))
+    elif cfg.tie_word_embeddings:
+        lm_head = embed
+    else:
+        raise CheckpointError(f"{ckpt.path}: lm_head.weight is missing and tie_word_embeddings is false")
+    weights = {"embed": embed, "lm_head": lm_head, "final_norm": w("model.norm.weight", (hid,)), "layers": layers}
+    return DenseBackend(cfg, ckpt.config, weights, device, dtype, ops)

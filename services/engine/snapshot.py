@@ -1,0 +1,106 @@
+"""Snapshots: model state after N prompt tokens, as canonically named tensors.
+
+A snapshot is valid only at the exact position where it was taken: recurrent
+states and compressed rows cannot be cut back to a shorter prefix, so no code
+ever truncates one. Names are global (`layers.7.k`, `layers.7.conv`,
+`sidecar.logits`) so that any engine of the same model can adopt it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+LOGITS = "sidecar.logits"  # [vocab] float32: logits after the last covered token
+
+
+class SnapshotMismatch(ValueError):
+    """A snapshot does not fit the loaded model's geometry (wrong name, dtype or shape)."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One state tensor: its name, dtype and shape at a given position.
+
+    `shape` holds -1 at `length_dim` (the dimension that grows with position);
+    `rows(position)` gives that dimension's size for a snapshot at `position`.
+    A spec with `length_dim is None` has a fixed shape (recurrent states).
+    """
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    length_dim: int | None = None
+    rows: Callable[[int], int] | None = field(default=None, compare=False)
+
+    def shape_at(self, position: int) -> tuple[int, ...]:
+        if self.length_dim is None:
+            return self.shape
+        assert self.rows is not None, f"{self.name}: a length dim needs rows()"
+        out = list(self.shape)
+        out[self.length_dim] = self.rows(position)
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Every state tensor of a model: the single source of truth for allocation,
+    snapshot declaration and validation."""
+
+    specs: tuple[TensorSpec, ...]
+
+    def spec(self, name: str) -> TensorSpec:
+        for s in self.specs:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.specs)
+
+    def layout_id(self) -> str:
+        """Hash of names, dtypes and shapes with the length dim normalized, so that
+        snapshots of every length share one namespace."""
+        h = hashlib.sha256()
+        for s in sorted(self.specs, key=lambda s: s.name):
+            h.update(f"{s.name}|{str(s.dtype)}|{s.shape}|{s.length_dim}\n".encode())
+        return h.hexdigest()[:32]
+
+    def validate(self, tensors: Mapping[str, torch.Tensor], position: int) -> None:
+        """Raise SnapshotMismatch unless `tensors` holds exactly the specs at `position`."""
+        missing = [n for n in self.names if n not in tensors]
+        extra = [n for n in tensors if n not in self.names]
+        if missing or extra:
+            raise SnapshotMismatch(f"tensor names differ: missing {missing[:4]}, unexpected {extra[:4]}")
+        for s in self.specs:
+            t = tensors[s.name]
+            if t.dtype != s.dtype:
+                raise SnapshotMismatch(f"{s.name}: dtype {t.dtype}, model needs {s.dtype}")
+            want = s.shape_at(position)
+            if tuple(t.shape) != want:
+                raise SnapshotMismatch(f"{s.name}: shape {tuple(t.shape)}, model needs {want} at position {position}")
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """State after `position` tokens. `tensors` holds every geometry tensor, right-sized
+    to `position` (views of the live state where possible), plus `sidecar.logits`."""
+
+    position: int
+    tensors: Mapping[str, torch.Tensor]
+
+    @property
+    def logits(self) -> torch.Tensor:
+        return self.tensors[LOGITS]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def detached(self) -> Snapshot:
+        """A copy that no longer aliases live state (for the RAM tier and the writer)."""
+        return Snapshot(self.position, {k: v.detach().to("cpu", copy=True) for k, v in self.tensors.items()})
