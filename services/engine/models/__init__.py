@@ -17,6 +17,8 @@ MODEL_TYPE_TO_FAMILY = {
     "qwen3": "dense",
     "qwen3_5_text": "qwen3_5",
     "qwen3_5": "qwen3_5",
+    "qwen3_5_moe_text": "qwen3_5",
+    "qwen3_5_moe": "qwen3_5",
     "deepseek_v4": "deepseek_v4",
 }
 

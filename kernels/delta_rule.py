@@ -1,0 +1,232 @@
+"""The gated delta rule (Gated DeltaNet linear attention, as in Qwen3.5), one sequence.
+
+Per value head h and step t, with the state S [Dk, Dv] (float32):
+    S <- S * exp(g_t)                                  (gated decay, g_t <= 0)
+    S <- S + k_t (beta_t (v_t - S^T k_t))^T             (delta-rule write)
+    o_t = S^T q_t
+where q_t, k_t are L2-normalized (eps 1e-6) and q_t is scaled by Dk^-0.5, exactly as
+transformers' Qwen3.5 (`use_qk_l2norm_in_kernel=True`). Key head j // (Hv // Hk)
+serves value head j (grouped value attention, repeat_interleave order).
+
+Shapes (no batch dim):
+  q, k   [T, Hk, Dk]   any float dtype
+  v      [T, Hv, Dv]
+  g      [T, Hv]       float32, log decay
+  beta   [T, Hv]
+  state  [Hv, Dk, Dv]  float32, the state before the first token (never written)
+returns (out [T, Hv, Dv] in q's dtype, new_state [Hv, Dk, Dv] float32 — a new tensor).
+
+Three implementations with one signature: `chunk_gated_delta_rule` (pure torch, the
+WY/UT-transform chunked form used for prefill), `recurrent_gated_delta_rule` (pure torch,
+token by token, used for decode and as the oracle), and `triton_gated_delta_rule` (a fused
+recurrent Triton kernel: one program per (value head, Dv block), the state in registers).
+`delta_rule_for(device)` picks the bundle at one call site.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+DeltaRuleFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    tuple[torch.Tensor, torch.Tensor],
+]
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim (the FLA / transformers form)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _prepare(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float32, heads first: q, k [Hv, T, Dk] (normalized, q scaled), v [Hv, T, Dv], g, beta [Hv, T]."""
+    t, hk, dk = k.shape
+    hv = v.shape[1]
+    assert q.shape == k.shape and v.shape[0] == t, (
+        f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    )
+    assert hv % hk == 0, f"value heads {hv} must be a multiple of key heads {hk}"
+    assert g.shape == (t, hv) and beta.shape == (t, hv), f"g {tuple(g.shape)}, beta {tuple(beta.shape)}"
+    if hv != hk:
+        q = q.repeat_interleave(hv // hk, dim=1)
+        k = k.repeat_interleave(hv // hk, dim=1)
+    qf, kf, vf, bf, gf = (x.transpose(0, 1).to(torch.float32).contiguous() for x in (q, k, v, beta, g))
+    qf = l2norm(qf)
+    kf = l2norm(kf)
+    qf = qf * (dk**-0.5)
+    return qf, kf, vf, gf, bf
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token reference (transformers' torch_recurrent_gated_delta_rule)."""
+    qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta)
+    s = state.to(torch.float32)  # [Hv, Dk, Dv]
+    out = torch.empty_like(vf)  # [Hv, T, Dv]
+    for i in range(vf.shape[1]):
+        s = s * gf[:, i].exp()[:, None, None]
+        kv_mem = (s * kf[:, i, :, None]).sum(dim=-2)  # [Hv, Dv]
+        delta = (vf[:, i] - kv_mem) * bf[:, i, None]
+        s = s + kf[:, i, :, None] * delta[:, None, :]
+        out[:, i] = (s * qf[:, i, :, None]).sum(dim=-2)
+    return out.transpose(0, 1).to(q.dtype).contiguous(), s
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked form (transformers' torch_chunk_gated_delta_rule, batch dim dropped):
+    within a chunk the delta-rule updates are condensed by a unit-lower-triangular solve,
+    across chunks the state is carried sequentially. The sequence is zero-padded to a
+    multiple of `chunk_size` (padding has g = 0, beta = 0, so it leaves the state alone)."""
+    qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta)
+    hv, t, dk = kf.shape
+    dv = vf.shape[-1]
+    pad = (chunk_size - t % chunk_size) % chunk_size
+    qf, kf, vf = (F.pad(x, (0, 0, 0, pad)) for x in (qf, kf, vf))
+    bf, gf = (F.pad(x, (0, pad)) for x in (bf, gf))
+    n = (t + pad) // chunk_size
+    v_beta = vf * bf[..., None]
+    k_beta = kf * bf[..., None]
+    # [Hv, N, C, D]
+    qc, kc, kbc, vbc = (x.reshape(hv, n, chunk_size, x.shape[-1]) for x in (qf, kf, k_beta, v_beta))
+    cum = gf.reshape(hv, n, chunk_size).cumsum(dim=-1)  # [Hv, N, C] log decay from chunk start
+    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=qf.device).triu(1)
+    # pairwise[i, j] = exp(cum_i - cum_j) for j <= i, 0 above the diagonal
+    pairwise = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
+    ut = (kbc @ kc.transpose(-1, -2)) * pairwise  # [Hv, N, C, C], unit lower after solve
+    intra = (qc @ kc.transpose(-1, -2)) * pairwise
+    new_values = torch.linalg.solve_triangular(ut, vbc, upper=False, unitriangular=True)  # [Hv, N, C, Dv]
+    k_cumdecay = torch.linalg.solve_triangular(
+        ut, kbc * cum.exp()[..., None], upper=False, unitriangular=True
+    )  # [Hv, N, C, Dk]
+    q_dec = qc * cum.exp()[..., None]
+    k_dec = kc * (cum[..., -1:] - cum).exp()[..., None]
+    chunk_decay = cum[..., -1].exp()[..., None, None]  # [Hv, N, 1, 1]
+    s = state.to(torch.float32)
+    out = torch.empty(hv, n, chunk_size, dv, dtype=torch.float32, device=qf.device)
+    for i in range(n):
+        v_new = new_values[:, i] - k_cumdecay[:, i] @ s  # [Hv, C, Dv]
+        out[:, i] = q_dec[:, i] @ s + intra[:, i] @ v_new
+        s = s * chunk_decay[:, i] + k_dec[:, i].transpose(-1, -2) @ v_new
+    out = out.reshape(hv, n * chunk_size, dv)[:, :t]
+    return out.transpose(0, 1).to(q.dtype).contiguous(), s
+
+
+# -- Triton -------------------------------------------------------------------
+def triton_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused recurrent Triton kernel; same contract as `recurrent_gated_delta_rule`.
+    Normalization (L2, q scale) happens here in torch, in float32, as in the reference."""
+    import triton
+
+    qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta)  # heads first, float32, contiguous
+    hv, t, dk = kf.shape
+    dv = vf.shape[-1]
+    s = state.to(torch.float32).contiguous().clone()  # updated in place by the kernel
+    out = torch.empty_like(vf)
+    block_k = triton.next_power_of_2(dk)
+    block_v = min(triton.next_power_of_2(dv), 64)
+    grid = (hv, triton.cdiv(dv, block_v))
+    _kernel()[grid](qf, kf, vf, gf, bf, s, out, t, dk, dv, BLOCK_K=block_k, BLOCK_V=block_v)
+    return out.transpose(0, 1).to(q.dtype).contiguous(), s
+
+
+@functools.cache
+def _kernel():  # type: ignore[no-untyped-def]
+    """The jitted kernel, defined on first use: importing this module never needs Triton, and
+    TRITON_INTERPRET (read when the kernel is decorated) may be set after import."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gated_delta_rule_fwd(
+        q_ptr,  # [Hv, T, Dk]
+        k_ptr,  # [Hv, T, Dk]
+        v_ptr,  # [Hv, T, Dv]
+        g_ptr,  # [Hv, T]
+        beta_ptr,  # [Hv, T]
+        s_ptr,  # [Hv, Dk, Dv], in: initial state, out: final state
+        o_ptr,  # [Hv, T, Dv]
+        T,
+        DK,
+        DV,
+        BLOCK_K: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+    ):
+        h = tl.program_id(0)
+        vb = tl.program_id(1)
+        offs_k = tl.arange(0, BLOCK_K)
+        offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+        mask_k = offs_k < DK
+        mask_v = offs_v < DV
+        mask_s = mask_k[:, None] & mask_v[None, :]
+        s_ptrs = s_ptr + h * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
+        s = tl.load(s_ptrs, mask=mask_s, other=0.0)  # [BLOCK_K, BLOCK_V]: this head's columns
+        for t in range(T):
+            q_t = tl.load(q_ptr + (h * T + t) * DK + offs_k, mask=mask_k, other=0.0)
+            k_t = tl.load(k_ptr + (h * T + t) * DK + offs_k, mask=mask_k, other=0.0)
+            v_t = tl.load(v_ptr + (h * T + t) * DV + offs_v, mask=mask_v, other=0.0)
+            g_t = tl.load(g_ptr + h * T + t)
+            b_t = tl.load(beta_ptr + h * T + t)
+            s = s * tl.exp(g_t)
+            kv_mem = tl.sum(s * k_t[:, None], axis=0)  # [BLOCK_V]
+            delta = (v_t - kv_mem) * b_t
+            s = s + k_t[:, None] * delta[None, :]
+            o_t = tl.sum(s * q_t[:, None], axis=0)
+            tl.store(o_ptr + (h * T + t) * DV + offs_v, o_t, mask=mask_v)
+        tl.store(s_ptrs, s, mask=mask_s)
+
+    return gated_delta_rule_fwd
+
+
+@dataclass(frozen=True)
+class DeltaRuleOps:
+    """The delta-rule implementations a model calls: `prefill` for chunks of many tokens,
+    `decode` for one token."""
+
+    name: str
+    prefill: DeltaRuleFn
+    decode: DeltaRuleFn
+
+
+TORCH_DELTA_RULE = DeltaRuleOps("torch", chunk_gated_delta_rule, recurrent_gated_delta_rule)
+TRITON_DELTA_RULE = DeltaRuleOps("triton", triton_gated_delta_rule, triton_gated_delta_rule)
+
+
+def delta_rule_for(device: torch.device, use_triton: bool | None = None) -> DeltaRuleOps:
+    """Triton on a GPU when Triton imports, the torch reference otherwise; `use_triton` forces it."""
+    if use_triton is None:
+        use_triton = device.type == "cuda"
+    if not use_triton:
+        return TORCH_DELTA_RULE
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return TORCH_DELTA_RULE
+    return TRITON_DELTA_RULE

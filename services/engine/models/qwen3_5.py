@@ -1,0 +1,638 @@
+"""Hybrid recurrent family `qwen3_5` (Qwen3.5 text: Gated DeltaNet linear-attention layers
+interleaved with gated full-attention layers), matching transformers' Qwen3_5ForCausalLM
+and, with a sparse MoE MLP, Qwen3_5MoeForCausalLM.
+
+Loads `qwen3_5_text` / `qwen3_5_moe_text` checkpoints (ForCausalLM: `model.layers.*`) and
+`qwen3_5` / `qwen3_5_moe` ones (ForConditionalGeneration: config under `text_config`,
+weights under `model.language_model.*`; the vision tower and `mtp.*` weights are ignored).
+
+State, by canonical name (DESIGN.md §2.2):
+  linear layer i:    `layers.{i}.conv`      [conv_dim, K-1]   runtime dtype: the last K-1
+                                            pre-conv q|k|v inputs (zeros before the start)
+                     `layers.{i}.recurrent` [Hv, Dk, Dv]      float32 delta-rule state
+  attention layer i: `layers.{i}.k` / `.v`  [capacity, Hkv, D] rows 0..position-1 valid
+  `sidecar.logits`   [vocab] float32
+Invariant: fixed-size state tensors are replaced by new tensors at every step, never
+written in place, and K/V rows below `position` are never rewritten; so an exported
+snapshot (views, no copy) stays valid while the live state moves on.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from keepwarm.engine.backend import State
+from keepwarm.engine.checkpoint import Checkpoint, CheckpointError
+from keepwarm.engine.models.rope import Rope, build_rope
+from keepwarm.engine.snapshot import LOGITS, Geometry, Snapshot, SnapshotMismatch, TensorSpec
+from keepwarm.kernels.delta_rule import DeltaRuleOps, delta_rule_for
+from keepwarm.kernels.ops import Ops
+
+LINEAR = "linear_attention"
+FULL = "full_attention"
+
+
+@dataclass(frozen=True)
+class Qwen35Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    layer_types: tuple[str, ...]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    conv_kernel: int  # K
+    linear_num_key_heads: int  # Hk
+    linear_num_value_heads: int  # Hv
+    linear_key_head_dim: int  # Dk
+    linear_value_head_dim: int  # Dv
+    num_experts: int  # 0: dense MLP; else sparse MoE with a gated shared expert
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    @staticmethod
+    def from_dict(cfg: dict[str, Any]) -> Qwen35Config:
+        """`cfg` is the text config (config.json itself, or its `text_config`)."""
+        try:
+            n = int(cfg["num_hidden_layers"])
+            layer_types = cfg.get("layer_types")
+            if layer_types is None:
+                interval = int(cfg.get("full_attention_interval", 4))
+                layer_types = [LINEAR if (i + 1) % interval else FULL for i in range(n)]
+            layer_types = tuple(str(t) for t in layer_types)
+            num_heads = int(cfg["num_attention_heads"])
+            out = Qwen35Config(
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=int(cfg["hidden_size"]),
+                # a MoE config has no dense MLP and may omit intermediate_size
+                intermediate_size=int(
+                    cfg.get("intermediate_size") or 0 if cfg.get("num_experts") else cfg["intermediate_size"]
+                ),
+                layer_types=layer_types,
+                num_heads=num_heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+                head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // num_heads),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
+                linear_num_key_heads=int(cfg.get("linear_num_key_heads", 16)),
+                linear_num_value_heads=int(cfg.get("linear_num_value_heads", 32)),
+                linear_key_head_dim=int(cfg.get("linear_key_head_dim", 128)),
+                linear_value_head_dim=int(cfg.get("linear_value_head_dim", 128)),
+                num_experts=int(cfg.get("num_experts") or 0),
+                num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
+                moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
+                shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+            )
+        except KeyError as e:
+            raise CheckpointError(f"config.json: required field {e.args[0]!r} is missing") from e
+        if len(out.layer_types) != n:
+            raise CheckpointError(
+                f"config.json: layer_types has {len(out.layer_types)} entries, num_hidden_layers is {n}"
+            )
+        bad = sorted({t for t in out.layer_types if t not in (LINEAR, FULL)})
+        if bad:
+            raise CheckpointError(f"config.json: layer_types {bad} unknown (use {LINEAR!r} or {FULL!r})")
+        if out.linear_num_value_heads % out.linear_num_key_heads:
+            raise CheckpointError(
+                "config.json: linear_num_value_heads must be a multiple of linear_num_key_heads"
+            )
+        if out.num_heads % out.num_kv_heads:
+            raise CheckpointError(
+                "config.json: num_attention_heads must be a multiple of num_key_value_heads"
+            )
+        if out.num_experts and not 0 < out.num_experts_per_tok <= out.num_experts:
+            raise CheckpointError("config.json: num_experts_per_tok must be in 1..num_experts")
+        if out.conv_kernel < 1:
+            raise CheckpointError("config.json: linear_conv_kernel_dim must be >= 1")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise CheckpointError(
+                f"config.json: hidden_act {cfg.get('hidden_act')!r} is not supported (silu only)"
+            )
+        return out
+
+
+@dataclass(frozen=True)
+class _Linear:
+    """Gated DeltaNet token mixer."""
+
+    w_in: torch.Tensor  # [conv_dim + value_dim + 2 Hv, hidden]: in_proj_qkv | z | b | a fused
+    conv: torch.Tensor  # [conv_dim, 1, K] depthwise causal conv
+    a_log: torch.Tensor  # [Hv] runtime dtype (as transformers keeps it)
+    dt_bias: torch.Tensor  # [Hv]
+    norm: torch.Tensor  # [Dv] gated RMSNorm weight (plain scale)
+    w_out: torch.Tensor  # [hidden, value_dim]
+
+
+@dataclass(frozen=True)
+class _Attention:
+    """Gated full attention: q_proj yields per head [query D | gate D]."""
+
+    w_q: torch.Tensor  # [Hq * 2D, hidden]
+    w_kv: torch.Tensor  # [2 Hkv D, hidden]: k | v fused
+    q_norm: torch.Tensor  # [D] float32, already 1 + weight
+    k_norm: torch.Tensor  # [D] float32, already 1 + weight
+    w_o: torch.Tensor  # [hidden, Hq D]
+
+
+@dataclass(frozen=True)
+class _Mlp:
+    w_gate_up: torch.Tensor  # [2 I, hidden]
+    w_down: torch.Tensor  # [hidden, I]
+
+
+@dataclass(frozen=True)
+class _Moe:
+    """Top-k softmax router (weights renormalized over the k), experts, and a shared
+    expert scaled by sigmoid(shared_gate . h)."""
+
+    router: torch.Tensor  # [E, hidden]
+    gate_up: torch.Tensor  # [E, 2 I, hidden]
+    down: torch.Tensor  # [E, hidden, I]
+    shared: _Mlp
+    shared_gate: torch.Tensor  # [1, hidden]
+    top_k: int
+
+
+@dataclass(frozen=True)
+class _Layer:
+    kind: str
+    input_norm: torch.Tensor  # [hidden] float32, already 1 + weight
+    mixer: _Linear | _Attention
+    post_norm: torch.Tensor  # [hidden] float32, already 1 + weight
+    mlp: _Mlp | _Moe
+
+
+def rms_norm_1p(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3.5's zero-centred RMSNorm: float32 normalize, times `scale` = 1 + weight (float32),
+    then cast back (transformers: `(x_norm * (1 + w)).type_as(x)`)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * scale).to(x.dtype)
+
+
+class Qwen35Backend:
+    family = "qwen3_5"
+
+    def __init__(
+        self,
+        cfg: Qwen35Config,
+        rope: Rope,
+        embed: torch.Tensor,
+        lm_head: torch.Tensor,
+        final_norm: torch.Tensor,
+        layers: list[_Layer],
+        device: torch.device,
+        dtype: torch.dtype,
+        ops: Ops,
+        delta_rule: DeltaRuleOps,
+    ) -> None:
+        assert len(layers) == cfg.num_layers
+        self.cfg = cfg
+        self.rope = rope
+        self.embed = embed
+        self.lm_head = lm_head
+        self.final_norm = final_norm
+        self.layers = layers
+        self.device = device
+        self.dtype = dtype
+        self.ops = ops
+        self.delta_rule = delta_rule
+        self.vocab_size = cfg.vocab_size
+        self.scale = cfg.head_dim**-0.5
+        self.geometry = geometry_of(cfg, dtype)
+
+    # -- state ---------------------------------------------------------------
+    def new_state(self, capacity: int) -> State:
+        if capacity < 1:
+            raise ValueError(f"state capacity must be >= 1 token, got {capacity}")
+        tensors: dict[str, torch.Tensor] = {}
+        for s in self.geometry.specs:
+            if s.name == LOGITS:
+                continue
+            shape = s.shape_at(capacity)
+            if s.length_dim is None:
+                tensors[s.name] = torch.zeros(shape, dtype=s.dtype, device=self.device)
+            else:
+                tensors[s.name] = torch.empty(shape, dtype=s.dtype, device=self.device)
+        return State(capacity=capacity, tensors=tensors)
+
+    def export(self, state: State) -> Snapshot:
+        assert state.logits is not None, "export needs at least one token of state"
+        p = state.position
+        out: dict[str, torch.Tensor] = {}
+        for s in self.geometry.specs:
+            if s.name == LOGITS:
+                continue
+            t = state.tensors[s.name]
+            out[s.name] = t if s.length_dim is None else t.narrow(s.length_dim, 0, p)
+        out[LOGITS] = state.logits
+        return Snapshot(p, out)
+
+    def adopt(self, snapshot: Snapshot, capacity: int) -> State:
+        p = snapshot.position
+        if p > capacity:
+            raise SnapshotMismatch(
+                f"snapshot covers {p} tokens, capacity is {capacity}: allocate a larger state"
+            )
+        self.geometry.validate(snapshot.tensors, p)  # raises before anything is written
+        state = self.new_state(capacity)
+        for s in self.geometry.specs:
+            src = snapshot.tensors[s.name]
+            if s.name == LOGITS:
+                state.logits = src.to(self.device, torch.float32, copy=True)
+            elif s.length_dim is None:
+                state.tensors[s.name] = src.to(self.device, s.dtype, copy=True)
+            else:
+                state.tensors[s.name].narrow(s.length_dim, 0, p).copy_(src)
+        state.position = p
+        return state
+
+    # -- compute -------------------------------------------------------------
+    def prefill(self, state: State, tokens: torch.Tensor) -> torch.Tensor:
+        return self.forward(state, tokens)[-1]
+
+    def decode(self, state: State, token: int) -> torch.Tensor:
+        return self.forward(state, torch.tensor([token], dtype=torch.int64, device=self.device))[-1]
+
+    @torch.inference_mode()
+    def forward(self, state: State, tokens: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+        """Advance `state` by `tokens` [T] int64; logits [1 or T, vocab] float32."""
+        c = self.cfg
+        t = int(tokens.shape[0])
+        if tokens.dim() != 1 or t == 0:
+            raise ValueError(f"tokens must be a non-empty 1-D tensor, got shape {tuple(tokens.shape)}")
+        start, end = state.position, state.position + t
+        if end > state.capacity:
+            raise ValueError(
+                f"state capacity {state.capacity} is too small for {end} tokens: allocate a larger state"
+            )
+        x = F.embedding(tokens.to(self.device), self.embed)  # [T, hidden]
+        cos, sin = self.rope.cos_sin(start, t, self.dtype)  # [T, R]
+        for i, layer in enumerate(self.layers):
+            h = rms_norm_1p(x, layer.input_norm, c.rms_norm_eps)
+            if isinstance(layer.mixer, _Linear):
+                x = x + self._linear(i, layer.mixer, h, state)
+            else:
+                x = x + self._attention(i, layer.mixer, h, state, start, cos, sin)
+            h = rms_norm_1p(x, layer.post_norm, c.rms_norm_eps)
+            x = x + (_mlp(layer.mlp, h) if isinstance(layer.mlp, _Mlp) else _moe(layer.mlp, h))
+        if not all_logits:
+            x = x[-1:]
+        logits = F.linear(rms_norm_1p(x, self.final_norm, c.rms_norm_eps), self.lm_head).float()
+        state.position = end
+        state.logits = logits[-1].clone()
+        return logits
+
+    def _linear(self, i: int, w: _Linear, h: torch.Tensor, state: State) -> torch.Tensor:
+        """Gated DeltaNet over h [T, hidden] -> [T, hidden]; replaces this layer's conv and
+        recurrent state tensors."""
+        c = self.cfg
+        t = h.shape[0]
+        hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        mixed, z, b, a = F.linear(h, w.w_in).split([c.conv_dim, c.value_dim, hv, hv], dim=-1)
+        # Causal depthwise conv over [the K-1 carried inputs | this chunk]: a chunk boundary
+        # inside a conv window sees exactly the inputs a one-shot run would.
+        conv_name = f"layers.{i}.conv"
+        window = torch.cat([state.tensors[conv_name], mixed.t()], dim=1)  # [conv_dim, K-1+T]
+        keep = c.conv_kernel - 1
+        state.tensors[conv_name] = window[:, window.shape[1] - keep :].contiguous()
+        conv = (
+            F.silu(F.conv1d(window.unsqueeze(0), w.conv, groups=c.conv_dim)).squeeze(0).t()
+        )  # [T, conv_dim]
+        q, k, v = conv.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
+        q = q.reshape(t, c.linear_num_key_heads, dk)
+        k = k.reshape(t, c.linear_num_key_heads, dk)
+        v = v.reshape(t, hv, dv)
+        beta = b.sigmoid()
+        g = -w.a_log.float().exp() * F.softplus(a.float() + w.dt_bias)  # [T, Hv] float32 log decay
+        rec_name = f"layers.{i}.recurrent"
+        rule = self.delta_rule.decode if t == 1 else self.delta_rule.prefill
+        out, state.tensors[rec_name] = rule(q, k, v, g, beta, state.tensors[rec_name])  # out [T, Hv, Dv]
+        # Gated RMSNorm per value head: norm(out) * w, then * silu(z) in float32, cast back.
+        normed = self.ops.rms_norm(out, w.norm, c.rms_norm_eps)
+        gated = (normed * F.silu(z.reshape(t, hv, dv).float())).to(h.dtype)
+        return F.linear(gated.reshape(t, c.value_dim), w.w_out)
+
+    def _attention(
+        self,
+        i: int,
+        w: _Attention,
+        h: torch.Tensor,
+        state: State,
+        start: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """Gated full attention over h [T, hidden] -> [T, hidden]; writes K/V rows start..start+T-1."""
+        c, ops = self.cfg, self.ops
+        t, d = h.shape[0], c.head_dim
+        qg = F.linear(h, w.w_q).view(t, c.num_heads, 2 * d)
+        q, gate = qg[..., :d], qg[..., d:].reshape(t, c.num_heads * d)
+        k, v = F.linear(h, w.w_kv).split([c.num_kv_heads * d, c.num_kv_heads * d], dim=-1)
+        q = rms_norm_1p(q, w.q_norm, c.rms_norm_eps)
+        k = rms_norm_1p(k.view(t, c.num_kv_heads, d), w.k_norm, c.rms_norm_eps)
+        r = cos.shape[-1]  # partial RoPE: only the first R dims of each head rotate
+        q = torch.cat([ops.rotary(q[..., :r], cos, sin), q[..., r:]], dim=-1)
+        k = torch.cat([ops.rotary(k[..., :r], cos, sin), k[..., r:]], dim=-1)
+        end = start + t
+        k_cache, v_cache = state.tensors[f"layers.{i}.k"], state.tensors[f"layers.{i}.v"]
+        k_cache[start:end] = k
+        v_cache[start:end] = v.view(t, c.num_kv_heads, d)
+        if t == 1:
+            attn = ops.decode_attention(q[0], k_cache[:end], v_cache[:end], self.scale).unsqueeze(0)
+        else:
+            attn = ops.prefill_attention(q, k_cache[:end], v_cache[:end], self.scale)
+        return F.linear(attn.reshape(t, c.num_heads * d) * torch.sigmoid(gate), w.w_o)
+
+
+def _mlp(w: _Mlp, h: torch.Tensor) -> torch.Tensor:
+    gate, up = F.linear(h, w.w_gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w.w_down)
+
+
+def _moe(w: _Moe, h: torch.Tensor) -> torch.Tensor:
+    """h [T, hidden] -> [T, hidden], as transformers' Qwen3_5MoeSparseMoeBlock."""
+    router_logits = F.linear(h, w.router)  # [T, E]
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    top_w, top_i = torch.topk(probs, w.top_k, dim=-1)  # [T, k]
+    top_w = (top_w / top_w.sum(dim=-1, keepdim=True)).to(router_logits.dtype)
+    out = torch.zeros_like(h)
+    for e in top_i.unique().tolist():  # only the experts some token routed to
+        tok, slot = torch.where(top_i == e)
+        gate, up = F.linear(h[tok], w.gate_up[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w.down[e]) * top_w[tok, slot, None]
+        out.index_add_(0, tok, y.to(out.dtype))
+    return out + torch.sigmoid(F.linear(h, w.shared_gate)) * _mlp(w.shared, h)
+
+
+def geometry_of(cfg: Qwen35Config, dtype: torch.dtype) -> Geometry:
+    specs: list[TensorSpec] = []
+    for i, kind in enumerate(cfg.layer_types):
+        if kind == LINEAR:
+            specs.append(TensorSpec(f"layers.{i}.conv", dtype, (cfg.conv_dim, cfg.conv_kernel - 1)))
+            specs.append(
+                TensorSpec(
+                    f"layers.{i}.recurrent",
+                    torch.float32,
+                    (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
+                )
+            )
+        else:
+            kv = (-1, cfg.num_kv_heads, cfg.head_dim)
+            specs.append(TensorSpec(f"layers.{i}.k", dtype, kv, length_dim=0, rows=_identity))
+            specs.append(TensorSpec(f"layers.{i}.v", dtype, kv, length_dim=0, rows=_identity))
+    specs.append(TensorSpec(LOGITS, torch.float32, (cfg.vocab_size,)))
+    return Geometry(tuple(specs))
+
+
+def _identity(position: int) -> int:
+    return position
+
+
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The language-model config: `text_config` of a multimodal `qwen3_5` config.json,
+    the file itself for `qwen3_5_text`."""
+    sub = cfg.get("text_config")
+    if isinstance(sub, dict):
+        merged = dict(sub)
+        merged.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+        return merged
+    return cfg
+
+
+def build(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, ops: Ops) -> Qwen35Backend:
+    raw = text_config(ckpt.config)
+    cfg = Qwen35Config.from_dict(raw)
+    prefix = "model.language_model." if ckpt.has("model.language_model.embed_tokens.weight") else "model."
+    hid, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    hv = cfg.linear_num_value_heads
+
+    def w(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return ckpt.load(prefix + name, dtype, device, shape=shape)
+
+    def norm_1p(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        # transformers computes `1.0 + weight.float()` from the runtime-dtype weight
+        return 1.0 + w(name, shape).float()
+
+    layers: list[_Layer] = []
+    for i, kind in enumerate(cfg.layer_types):
+        p = f"layers.{i}."
+        mixer: _Linear | _Attention
+        if kind == LINEAR:
+            la = p + "linear_attn."
+            w_in = torch.cat(
+                [
+                    w(la + "in_proj_qkv.weight", (cfg.conv_dim, hid)),
+                    w(la + "in_proj_z.weight", (cfg.value_dim, hid)),
+                    w(la + "in_proj_b.weight", (hv, hid)),
+                    w(la + "in_proj_a.weight", (hv, hid)),
+                ],
+                dim=0,
+            )
+            mixer = _Linear(
+                w_in=w_in,
+                conv=w(la + "conv1d.weight", (cfg.conv_dim, 1, cfg.conv_kernel)),
+                a_log=w(la + "A_log", (hv,)),
+                dt_bias=w(la + "dt_bias", (hv,)),
+                norm=w(la + "norm.weight", (cfg.linear_value_head_dim,)),
+                w_out=w(la + "out_proj.weight", (hid, cfg.value_dim)),
+            )
+        else:
+            sa = p + "self_attn."
+            kv = cfg.num_kv_heads * d
+            mixer = _Attention(
+                w_q=w(sa + "q_proj.weight", (cfg.num_heads * d * 2, hid)),
+                w_kv=torch.cat(
+                    [w(sa + "k_proj.weight", (kv, hid)), w(sa + "v_proj.weight", (kv, hid))], dim=0
+                ),
+                q_norm=norm_1p(sa + "q_norm.weight", (d,)),
+                k_norm=norm_1p(sa + "k_norm.weight", (d,)),
+                w_o=w(sa + "o_proj.weight", (hid, cfg.num_heads * d)),
+            )
+        mp = p + "mlp."
+        mlp: _Mlp | _Moe
+        if cfg.num_experts:
+            e_n, e_i, s_i = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+            if ckpt.has(prefix + mp + "experts.gate_up_proj"):  # fused layout (transformers' runtime form)
+                gate_up = w(mp + "experts.gate_up_proj", (e_n, 2 * e_i, hid))
+                down = w(mp + "experts.down_proj", (e_n, hid, e_i))
+            else:  # per-expert layout (the hub's and save_pretrained's form)
+                ex = [f"{mp}experts.{e}." for e in range(e_n)]
+                gate_up = torch.stack(
+                    [
+                        torch.cat(
+                            [w(x + "gate_proj.weight", (e_i, hid)), w(x + "up_proj.weight", (e_i, hid))],
+                            dim=0,
+                        )
+                        for x in ex
+                    ]
+                )
+                down = torch.stack([w(x + "down_proj.weight", (hid, e_i)) for x in ex])
+            mlp = _Moe(
+                router=w(mp + "gate.weight", (e_n, hid)),
+                gate_up=gate_up,
+                down=down,
+                shared=_dense_mlp(w, mp + "shared_expert.", hid, s_i),
+                shared_gate=w(mp + "shared_expert_gate.weight", (1, hid)),
+                top_k=cfg.num_experts_per_tok,
+            )
+        else:
+            mlp = _dense_mlp(w, mp, hid, inter)
+        layers.append(
+            _Layer(
+                kind=kind,
+                input_norm=norm_1p(p + "input_layernorm.weight", (hid,)),
+                mixer=mixer,
+                post_norm=norm_1p(p + "post_attention_layernorm.weight", (hid,)),
+                mlp=mlp,
+            )
+        )
+    embed = w("embed_tokens.weight", (cfg.vocab_size, hid))
+    if ckpt.has("lm_head.weight"):
+        lm_head = ckpt.load("lm_head.weight", dtype, device, shape=(cfg.vocab_size, hid))
+    elif cfg.tie_word_embeddings:
+        lm_head = embed
+    else:
+        raise CheckpointError(f"{ckpt.path}: lm_head.weight is missing and tie_word_embeddings is false")
+    rope = build_rope(raw, d, device)
+    if rope.rotary_dim > d:
+        raise CheckpointError(f"config.json: rotary dim {rope.rotary_dim} exceeds head_dim {d}")
+    return Qwen35Backend(
+        cfg,
+        rope,
+        embed,
+        lm_head,
+        norm_1p("norm.weight", (hid,)),
+        layers,
+        device,
+        dtype,
+        ops,
+        delta_rule_for(device),  # the one place the delta-rule implementation is chosen
+    )
+
+
+def _dense_mlp(w: Callable[[str, tuple[int, ...]], torch.Tensor], p: str, hid: int, inter: int) -> _Mlp:
+    gate_up = torch.cat(
+        [w(p + "gate_proj.weight", (inter, hid)), w(p + "up_proj.weight", (inter, hid))], dim=0
+    )
+    return _Mlp(w_gate_up=gate_up, w_down=w(p + "down_proj.weight", (hid, inter)))
+
+
+# -- demo models ----------------------------------------------------------------
+def demo_config(size: str) -> dict[str, Any]:
+    """A full config.json for a random-weight demo model (transformers can load the folder).
+    "small": ~110M params, 12 layers with 3 linear : 1 full attention; "tiny": for tests."""
+    if size == "small":
+        dims = dict(
+            vocab_size=32768, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+            num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+            linear_num_key_heads=8, linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
+        )  # fmt: skip
+    elif size == "tiny":
+        dims = dict(
+            vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        )  # fmt: skip
+    else:
+        raise ValueError(f"demo size {size!r} is unknown (use 'small' or 'tiny')")
+    n = int(dims["num_hidden_layers"])
+    return {
+        "architectures": ["Qwen3_5ForCausalLM"],
+        "model_type": "qwen3_5_text",
+        **dims,
+        "layer_types": [LINEAR if (i + 1) % 4 else FULL for i in range(n)],
+        "linear_conv_kernel_dim": 4,
+        "hidden_act": "silu",
+        "max_position_embeddings": 32768,
+        "initializer_range": 0.02,
+        "rms_norm_eps": 1e-6,
+        "use_cache": True,
+        "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+        "dtype": "bfloat16",
+    }
+
+
+def init_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """Deterministic bf16 weights under transformers' names for `config` (a demo_config dict):
+    projections N(0, initializer_range), residual-output projections scaled down by
+    sqrt(2 * layers), zero-centred norms at 0 (scale 1), gated-norm weights 1,
+    A_log = log(U(1, 16)), dt_bias 1 (transformers' own initialization)."""
+    cfg = Qwen35Config.from_dict(config)
+    gen = torch.Generator().manual_seed(seed)
+    std = float(config.get("initializer_range", 0.02))
+    out_std = std / math.sqrt(2 * cfg.num_layers)
+    hid, d, inter, hv = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.linear_num_value_heads
+
+    def normal(shape: tuple[int, ...], s: float) -> torch.Tensor:
+        return (torch.randn(shape, generator=gen) * s).to(torch.bfloat16)
+
+    def const(shape: tuple[int, ...], value: float) -> torch.Tensor:
+        return torch.full(shape, value, dtype=torch.bfloat16)
+
+    wts: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal((cfg.vocab_size, hid), std)}
+    for i, kind in enumerate(cfg.layer_types):
+        p = f"model.layers.{i}."
+        if kind == LINEAR:
+            la = p + "linear_attn."
+            wts[la + "in_proj_qkv.weight"] = normal((cfg.conv_dim, hid), std)
+            wts[la + "in_proj_z.weight"] = normal((cfg.value_dim, hid), std)
+            wts[la + "in_proj_b.weight"] = normal((hv, hid), std)
+            wts[la + "in_proj_a.weight"] = normal((hv, hid), std)
+            wts[la + "conv1d.weight"] = normal(
+                (cfg.conv_dim, 1, cfg.conv_kernel), 1.0 / math.sqrt(cfg.conv_kernel)
+            )
+            a = torch.empty(hv).uniform_(1.0, 16.0, generator=gen)
+            wts[la + "A_log"] = a.log().to(torch.bfloat16)
+            wts[la + "dt_bias"] = const((hv,), 1.0)
+            wts[la + "norm.weight"] = const((cfg.linear_value_head_dim,), 1.0)
+            wts[la + "out_proj.weight"] = normal((hid, cfg.value_dim), out_std)
+        else:
+            sa = p + "self_attn."
+            kv = cfg.num_kv_heads * d
+            wts[sa + "q_proj.weight"] = normal((cfg.num_heads * d * 2, hid), std)
+            wts[sa + "k_proj.weight"] = normal((kv, hid), std)
+            wts[sa + "v_proj.weight"] = normal((kv, hid), std)
+            wts[sa + "o_proj.weight"] = normal((hid, cfg.num_heads * d), out_std)
+            wts[sa + "q_norm.weight"] = const((d,), 0.0)
+            wts[sa + "k_norm.weight"] = const((d,), 0.0)
+        wts[p + "input_layernorm.weight"] = const((hid,), 0.0)
+        wts[p + "post_attention_layernorm.weight"] = const((hid,), 0.0)
+        wts[p + "mlp.gate_proj.weight"] = normal((inter, hid), std)
+        wts[p + "mlp.up_proj.weight"] = normal((inter, hid), std)
+        wts[p + "mlp.down_proj.weight"] = normal((hid, inter), out_std)
+    wts["model.norm.weight"] = const((hid,), 0.0)
+    if not cfg.tie_word_embeddings:
+        wts["lm_head.weight"] = normal((cfg.vocab_size, hid), std)
+    return wts
