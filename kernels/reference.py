@@ -27,7 +27,8 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     t, s = q.shape[0], k.shape[0]
     start = s - t
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, T|S, D]
+    # [1, H, T|S, D]: SDPA takes its fused CPU/GPU kernels only for 4-D inputs
+    qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     if start == 0:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
     else:
@@ -35,7 +36,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
         pos_k = torch.arange(s, device=q.device).unsqueeze(0)
         mask = pos_k <= pos_q  # [T, S] bottom-right causal
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
