@@ -10,9 +10,11 @@ KW_TORCH_SPEC="${KW_TORCH_SPEC:-torch==2.13.0}"
 kw_log() { printf '[keepwarm] %s\n' "$*" >&2; }
 
 ensure_venv() {
-  local stamp="$KW_VENV/.keepwarm-stamp" want
-  want="$(sha256sum "$KW_ROOT/pyproject.toml" | cut -c1-16) ${1:-dev}"
-  if [ -x "$KW_PY" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  local stamp="$KW_VENV/.keepwarm-stamp" want hash
+  hash="$(sha256sum "$KW_ROOT/pyproject.toml" | cut -c1-16)"
+  want="$hash ${1:-dev}"
+  # the dev extra includes every other one
+  if [ -x "$KW_PY" ] && [ -f "$stamp" ] && { [ "$(cat "$stamp")" = "$want" ] || [ "$(cat "$stamp")" = "$hash dev" ]; }; then
     return 0
   fi
   local py
@@ -45,4 +47,15 @@ ensure_debian() {
     KW_APT_UPDATED=1
   fi
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$2" >/dev/null
+}
+
+# ensure_demo_model [FAMILY]: prints the demo checkpoint folder, making it on first use.
+ensure_demo_model() {
+  local family="${1:-dense}" dir
+  dir="${KEEPWARM_DEMO_DIR:-$KW_ROOT/models}/demo-$family"
+  if [ ! -f "$dir/config.json" ]; then
+    kw_log "making the $family demo model in $dir (first use)"
+    "$KW_PY" -m keepwarm.engine.demo_model --family "$family" "$dir" >&2
+  fi
+  echo "$dir"
 }

@@ -1,11 +1,24 @@
-"""Suite-wide settings. Triton kernels run under the interpreter on CPU-only
-machines; the flag must be set before any kernel module is imported."""
+"""Suite-wide settings and shared fixtures. Triton kernels run under the
+interpreter on CPU-only machines; the flag must be set before any kernel module
+is imported."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_dense_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny qwen3 demo checkpoint with a real BPE tokenizer and ChatML template."""
+    from keepwarm.engine.demo_model import make_demo_model
+
+    path = tmp_path_factory.mktemp("models") / "tiny-dense"
+    make_demo_model(path, family="dense", seed=0, size="tiny")
+    return path

@@ -1,0 +1,252 @@
+"""keepwarm benchmarks; each writes one JSON object (and prints it).
+
+  ops/bench engine [--model DIR] [--json PATH]   prefill/decode vs transformers, memory roofline
+  ops/bench cache  [--model DIR] [--json PATH]   cold vs warm TTFT (RAM, disk), restore bandwidth
+
+Speed lives here, never in tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+def mem_read_gbps(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes of a large fp32 reduction over its time: the machine's memory read bandwidth."""
+    x = torch.ones(num_bytes // 4, dtype=torch.float32)
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    return num_bytes / min(times) / 1e9
+
+
+def _prompt_tokens(vocab: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(10, vocab - 10, (n,), generator=g).tolist()
+
+
+def bench_engine(model: Path, dtype: torch.dtype, prefill_tokens: int, decode_tokens: int, chunk: int) -> dict[str, Any]:
+    from keepwarm.engine.checkpoint import open_checkpoint
+    from keepwarm.engine.models import build_backend
+    from keepwarm.engine.runner import Runner
+    from keepwarm.kernels.ops import ops_for
+
+    dev = torch.device("cpu")
+    backend = build_backend(open_checkpoint(model), dev, dtype, ops_for(dev))
+    runner = Runner(backend, chunk)
+    toks = _prompt_tokens(backend.vocab_size, prefill_tokens)
+
+    runner.prefill(backend.new_state(prefill_tokens + 8), toks[:128])  # warm-up
+    pre = []
+    for _ in range(2):
+        st = backend.new_state(prefill_tokens + 8)
+        t0 = time.perf_counter()
+        runner.prefill(st, toks)
+        pre.append(time.perf_counter() - t0)
+    prefill_s = min(pre)
+
+    st = backend.new_state(256 + decode_tokens + 8)
+    logits = runner.prefill(st, toks[:256])
+    assert logits is not None
+    tok = int(torch.argmax(logits))
+    for _ in range(4):  # warm-up
+        tok = int(torch.argmax(runner.decode(st, tok)))
+    t0 = time.perf_counter()
+    for _ in range(decode_tokens):
+        tok = int(torch.argmax(runner.decode(st, tok)))
+    decode_s = (time.perf_counter() - t0) / decode_tokens
+
+    weights = {id(t): t for t in _tensors(backend)}
+    weights_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+    del backend, st
+
+    ref_prefill_s, ref_decode_s = _bench_transformers(model, dtype, toks, decode_tokens)
+    gbps = mem_read_gbps()
+    return {
+        "model": str(model),
+        "dtype": str(dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "prefill_tokens": prefill_tokens,
+        "prefill_tok_s": prefill_tokens / prefill_s,
+        "ref_prefill_tok_s": prefill_tokens / ref_prefill_s,
+        "prefill_ratio": ref_prefill_s / prefill_s,
+        "decode_tok_s": 1 / decode_s,
+        "ref_decode_tok_s": 1 / ref_decode_s,
+        "decode_ratio": ref_decode_s / decode_s,
+        "weights_bytes": weights_bytes,
+        "mem_read_gbps": gbps,
+        "decode_roofline_fraction": (weights_bytes / decode_s / 1e9) / gbps,
+    }
+
+
+def _tensors(obj: object, depth: int = 0) -> list[torch.Tensor]:
+    """Every weight tensor reachable from a backend's attributes (shared ones once)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if depth > 3:
+        return []
+    if isinstance(obj, (list, tuple)):
+        return [t for x in obj for t in _tensors(x, depth + 1)]
+    if isinstance(obj, dict):
+        return [t for x in obj.values() for t in _tensors(x, depth + 1)]
+    if hasattr(obj, "__dict__") and not isinstance(obj, type):
+        return [t for k, x in vars(obj).items() if k not in ("rope",) for t in _tensors(x, depth + 1)]
+    return []
+
+
+def _bench_transformers(model: Path, dtype: torch.dtype, toks: list[int], decode_tokens: int) -> tuple[float, float]:
+    import transformers
+
+    ref = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval()
+    ids = torch.tensor([toks])
+    with torch.inference_mode():
+        ref(ids[:, :128])
+        pre = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            ref(ids, use_cache=True)
+            pre.append(time.perf_counter() - t0)
+        out = ref(ids[:, :256], use_cache=True)
+        pkv = out.past_key_values
+        tok = out.logits[:, -1:].argmax(-1)
+        for _ in range(4):
+            out = ref(tok, past_key_values=pkv, use_cache=True)
+            pkv, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        t0 = time.perf_counter()
+        for _ in range(decode_tokens):
+            out = ref(tok, past_key_values=pkv, use_cache=True)
+            pkv, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        decode_s = (time.perf_counter() - t0) / decode_tokens
+    return min(pre), decode_s
+
+
+def _drop_page_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _raw_read_gbps(path: Path) -> float:
+    _drop_page_cache(path)
+    size = path.stat().st_size
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.read(16 << 20):
+            pass
+    return size / (time.perf_counter() - t0) / 1e9
+
+
+def _long_messages(engine: Any, target: int) -> list[dict[str, str]]:
+    """A system prompt of real text sized so the rendered chat is about `target` tokens."""
+    corpus = (Path(__file__).resolve().parent.parent / "services/engine/data/corpus.txt").read_text()
+    words = corpus.split()
+    lo, hi = 1, len(words)
+    question = {"role": "user", "content": "Summarize the notes above in one sentence."}
+    while lo < hi:  # largest word count whose rendering fits the target
+        mid = (lo + hi + 1) // 2
+        msgs = [{"role": "system", "content": " ".join(words[:mid])}, question]
+        if len(engine.prepare(_req(msgs)).tokens) <= target:
+            lo = mid
+        else:
+            hi = mid - 1
+    return [{"role": "system", "content": " ".join(words[:lo])}, question]
+
+
+def _req(msgs: list[dict[str, str]], max_tokens: int = 16) -> Any:
+    from keepwarm.engine.request import GenerateRequest
+    from keepwarm.engine.sampling import SamplingParams
+
+    return GenerateRequest(sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True), messages=tuple(msgs))
+
+
+def bench_cache(model: Path, dtype: str, prompt_tokens: int, threads: int) -> dict[str, Any]:
+    from keepwarm.engine.config import EngineConfig
+    from keepwarm.engine.engine import Engine
+
+    with tempfile.TemporaryDirectory(prefix="keepwarm-bench-", dir=os.environ.get("KEEPWARM_BENCH_TMP")) as tmp:
+        cfg = EngineConfig(model=model, dtype=dtype, num_threads=threads, cache_dir=Path(tmp),
+                           max_context=prompt_tokens + 64, min_tokens=16, fsync=True).validate()
+        engine = Engine(cfg)
+        try:
+            msgs = _long_messages(engine, prompt_tokens)
+            n = len(engine.prepare(_req(msgs)).tokens)
+            # warm the kernels on a different prompt so "cold" measures prefill, not first-call overhead
+            engine.complete(replace(_req([{"role": "user", "content": "hello there"}], 2)))
+            cold = engine.complete(_req(msgs))
+            engine.flush()
+            warm_mem = engine.complete(_req(msgs))
+            assert engine.cache.memory is not None and engine.cache.disk is not None
+            engine.cache.memory.clear()
+            key = engine.cache.key("", engine.prepare(_req(msgs)).tokens)
+            path = engine.cache.disk.path_for(key)
+            _drop_page_cache(path)
+            warm_disk = engine.complete(_req(msgs))
+            snapshot_bytes = path.stat().st_size
+            raw = _raw_read_gbps(path)
+        finally:
+            engine.close()
+    restore_s = warm_disk.timings.restore_ms / 1000
+    return {
+        "model": str(model),
+        "dtype": dtype,
+        "prompt_tokens": n,
+        "cold_ttft_s": cold.timings.ttft_ms / 1000,
+        "warm_memory_ttft_s": warm_mem.timings.ttft_ms / 1000,
+        "warm_disk_ttft_s": warm_disk.timings.ttft_ms / 1000,
+        "warm_sources": [warm_mem.timings.cache_source, warm_disk.timings.cache_source],
+        "snapshot_bytes": snapshot_bytes,
+        "restore_gbps": snapshot_bytes / restore_s / 1e9 if restore_s > 0 else None,
+        "raw_read_gbps": raw,
+        "identical_output": cold.text == warm_mem.text == warm_disk.text,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=["engine", "cache"])
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--json", type=Path, default=None, help="write the result here too")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prompt-tokens", type=int, default=2048)
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--chunk", type=int, default=512)
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    from keepwarm.engine.config import DTYPES
+
+    if a.what == "engine":
+        result = bench_engine(a.model, DTYPES[a.dtype], a.prompt_tokens, a.decode_tokens, a.chunk)
+    else:
+        result = bench_cache(a.model, a.dtype, a.prompt_tokens, a.threads)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if a.json is not None:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

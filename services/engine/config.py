@@ -1,0 +1,156 @@
+"""Engine process configuration: one dataclass, filled from CLI flags or
+KEEPWARM_* environment variables, passed down explicitly."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+import torch
+
+from keepwarm.engine.policy import Policy, parse_policy
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+class ConfigError(ValueError):
+    """Bad engine configuration; the message names the flag and what to change."""
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "keepwarm" / "prefix-cache"
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '4096', '512m', '4g', '1.5G' (binary units)."""
+    s = str(text).strip().lower().removesuffix("ib").removesuffix("b")
+    mult = 1
+    if s and s[-1] in "kmgt":
+        mult = 1024 ** ("kmgt".index(s[-1]) + 1)
+        s = s[:-1]
+    try:
+        value = float(s)
+    except ValueError:
+        raise ConfigError(f"size {text!r} is not a number with an optional k/m/g/t suffix") from None
+    if value < 0:
+        raise ConfigError(f"size {text!r} must not be negative")
+    return int(value * mult)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: Path
+    device: str = "cpu"
+    dtype: str = "bfloat16"
+    num_threads: int = 0  # 0 = torch default
+    max_context: int = 8192  # state capacity in tokens; longer prompts are rejected
+    chunk_size: int = 512  # prefill chunk
+    cache_dir: Path | None = None  # None disables the disk tier
+    disk_budget: int = 16 * 1024**3
+    min_free_disk: int = 1024**3
+    memory_budget: int = 2 * 1024**3
+    min_tokens: int = 64  # never cache a prefix shorter than this
+    disk_prefix_cache: str = "full"
+    writer_queue: int = 8
+    fsync: bool = True
+    queue_size: int = 16  # requests waiting for the generation worker
+    max_tokens_limit: int = 4096
+    host: str = "127.0.0.1"
+    port: int = 8100
+    model_name: str = ""  # the id /v1/models reports; defaults to the folder name
+    use_triton: bool | None = None
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def policy(self) -> Policy:
+        return parse_policy(self.disk_prefix_cache)
+
+    @property
+    def served_name(self) -> str:
+        return self.model_name or self.model.name
+
+    def validate(self) -> EngineConfig:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype {self.dtype!r}: use one of {', '.join(sorted(DTYPES))}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ConfigError(f"--device {self.device!r}: use cpu or cuda[:N] (ROCm builds of torch report cuda)")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"--device {self.device}: torch sees no GPU here; use --device cpu")
+        for name in ("max_context", "chunk_size", "writer_queue", "queue_size", "max_tokens_limit"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+        try:
+            self.policy  # noqa: B018 - parse for the error
+        except ValueError as e:
+            raise ConfigError(f"--disk-prefix-cache: {e}") from e
+        return self
+
+
+_ENV_PREFIX = "KEEPWARM_"
+_SIZES = {"disk_budget", "min_free_disk", "memory_budget"}
+
+
+def _convert(name: str, raw: str) -> object:
+    field_type = {f.name: f.type for f in fields(EngineConfig)}[name]
+    if name in _SIZES:
+        return parse_size(raw)
+    if name in ("model",):
+        return Path(raw)
+    if name == "cache_dir":
+        return None if raw.lower() in ("", "none", "off") else Path(raw)
+    if name == "fsync":
+        return raw.lower() in ("1", "true", "yes", "on")
+    if name == "use_triton":
+        return None if raw.lower() in ("", "auto") else raw.lower() in ("1", "true", "yes", "on")
+    if "int" in str(field_type):
+        try:
+            return int(raw)
+        except ValueError:
+            raise ConfigError(f"{name} must be an integer, got {raw!r}") from None
+    return raw
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="Hugging Face checkpoint folder (env KEEPWARM_MODEL)")
+    for f in fields(EngineConfig):
+        if f.name == "model":
+            continue
+        p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None,
+                       help=f"(env {_ENV_PREFIX}{f.name.upper()}; default {f.default})")
+
+
+def config_from(args: argparse.Namespace | None = None, env: Mapping[str, str] | None = None,
+                cache_dir_default: bool = True) -> EngineConfig:
+    """Flags override env, env overrides defaults. Without a cache dir flag or env the
+    disk tier lives under the user's cache dir (`cache_dir_default`)."""
+    env = os.environ if env is None else env
+    values: dict[str, object] = {}
+    for f in fields(EngineConfig):
+        raw = getattr(args, f.name, None) if args is not None else None
+        if raw is None:
+            raw = env.get(_ENV_PREFIX + f.name.upper())
+        if raw is not None:
+            values[f.name] = _convert(f.name, str(raw))
+    if "model" not in values:
+        raise ConfigError("no model given: pass --model DIR or set KEEPWARM_MODEL")
+    if "cache_dir" not in values and cache_dir_default:
+        values["cache_dir"] = default_cache_dir()
+    return EngineConfig(**values).validate()  # type: ignore[arg-type]
+
+
+def with_overrides(cfg: EngineConfig, **kw: object) -> EngineConfig:
+    return replace(cfg, **kw).validate()  # type: ignore[arg-type]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> EngineConfig:
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    return config_from(p.parse_args(argv))

@@ -1,0 +1,147 @@
+"""The two-tier prefix cache as the engine sees it: RAM LRU in front of disk,
+keyed by (namespace, tenant salt, exact token prefix).
+
+Lookup probes candidate prefix lengths deepest first; the first entry whose
+stored tokens equal the prompt's prefix and whose tensors fit the model's
+geometry wins. A disk hit is promoted to RAM.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from keepwarm.engine.disk_cache import DiskCache
+from keepwarm.engine.memory_cache import MemoryCache
+from keepwarm.engine.namespace import prefix_key
+from keepwarm.engine.snapshot import Snapshot
+from keepwarm.engine.snapshot_file import SnapshotFileError, read_snapshot
+
+
+@dataclass(frozen=True)
+class SessionHint:
+    """The session's last prefix as the gateway remembers it."""
+
+    key: str
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class Hit:
+    key: str
+    num_key_tokens: int
+    snapshot: Snapshot
+    source: str  # "memory" | "disk"
+    seconds: float
+    num_bytes: int
+
+
+def candidate_lengths(
+    prompt_len: int,
+    boundaries: Iterable[int],
+    known_lengths: Iterable[int],
+    hint: SessionHint | None,
+    min_tokens: int,
+) -> list[int]:
+    """Prefix lengths to probe, deepest first: the session's last prefix, the whole
+    prompt, every turn boundary, and every length the cache holds an entry of
+    (continued checkpoints), all within [min_tokens, prompt_len]."""
+    lengths = {prompt_len, *boundaries, *known_lengths}
+    if hint is not None:
+        lengths.add(hint.num_tokens)
+    return sorted((n for n in lengths if min_tokens <= n <= prompt_len), reverse=True)
+
+
+class PrefixCache:
+    def __init__(
+        self,
+        namespace: str,
+        memory: MemoryCache | None,
+        disk: DiskCache | None,
+        validate: Callable[[Snapshot], None],
+    ) -> None:
+        self.namespace = namespace
+        self.memory = memory
+        self.disk = disk
+        self.validate = validate
+        self._memory_lengths: dict[str, int] = {}  # key -> token count of RAM entries (pruned lazily)
+
+    def key(self, salt: str, tokens: Sequence[int]) -> str:
+        return prefix_key(self.namespace, salt, tokens)
+
+    def known_lengths(self) -> set[int]:
+        out: set[int] = set()
+        if self.memory is not None:
+            live = set(self.memory.keys())
+            self._memory_lengths = {k: n for k, n in self._memory_lengths.items() if k in live}
+            out.update(self._memory_lengths.values())
+        if self.disk is not None:
+            out.update(e.tokens for e in self.disk.entries() if e.namespace == self.namespace)
+        return out
+
+    def lookup(self, salt: str, tokens: Sequence[int], lengths: Sequence[int]) -> Hit | None:
+        for n in lengths:
+            key = self.key(salt, tokens[:n])
+            hit = self._probe(key, list(tokens[:n]))
+            if hit is not None:
+                return hit
+        return None
+
+    def _probe(self, key: str, tokens: list[int]) -> Hit | None:
+        t0 = time.perf_counter()
+        if self.memory is not None:
+            found = self.memory.get(key)
+            if found is not None:
+                stored_tokens, snap = found
+                if stored_tokens == tokens:
+                    return Hit(key, len(tokens), snap, "memory", time.perf_counter() - t0, snap.num_bytes)
+                self.memory.remove(key)  # a hash collision or a stale entry: never adopt it
+        if self.disk is not None and self.disk.contains(key):
+            snap = self.disk.load(key, tokens, self.validate)
+            if snap is not None:
+                self._remember(key, tokens, snap)
+                return Hit(key, len(tokens), snap, "disk", time.perf_counter() - t0, snap.num_bytes)
+        return None
+
+    def save(self, salt: str, tokens: Sequence[int], snapshot: Snapshot) -> str:
+        """Store a detached copy of `snapshot` under the key of `tokens` in both tiers."""
+        assert snapshot.position <= len(tokens), "a snapshot is never keyed by fewer tokens than it covers"
+        key = self.key(salt, tokens)
+        toks = list(tokens)
+        in_memory = self.memory is None or key in self.memory
+        on_disk = self.disk is None or self.disk.contains(key)
+        if in_memory and on_disk:
+            return key
+        copy = snapshot.detached()
+        if not in_memory:
+            self._remember(key, toks, copy)
+        if not on_disk and self.disk is not None:
+            self.disk.save(key, toks, copy, detached=True)
+        return key
+
+    def _remember(self, key: str, tokens: list[int], snapshot: Snapshot) -> None:
+        if self.memory is not None and self.memory.put(key, tokens, snapshot, detached=True):
+            self._memory_lengths[key] = len(tokens)
+
+    def stored_tokens(self, key: str) -> list[int] | None:
+        """The tokens an entry was keyed by (to explain a miss), or None."""
+        if self.memory is not None:
+            found = self.memory.get(key)
+            if found is not None:
+                return found[0]
+        if self.disk is not None:
+            try:
+                return read_snapshot(self.disk.path_for(key), namespace=self.namespace, key=key)[1]
+            except (OSError, SnapshotFileError):
+                return None
+        return None
+
+
+def diverged_at(a: Sequence[int], b: Sequence[int]) -> int:
+    """First position where two token sequences differ (the shorter length if one is a prefix)."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
