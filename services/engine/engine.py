@@ -275,7 +275,7 @@ class Engine:
 
         # Continued checkpoint, after the reply is out: feed the last token so the
         # state covers prompt + reply, keyed by exactly those tokens.
-        if continued and len(covered) <= self.cfg.max_context and not should_stop():
+        if continued and len(covered) <= self.cfg.max_context:
             self.runner.decode(state, generated[-1])
             self.cache.save(salt, covered, self.backend.export(state))
             self.stats.snapshots_saved += 1
@@ -303,6 +303,7 @@ class Engine:
             cache_source=hit.source if hit else "none",
             restored_tokens=restored,
             restore_ms=restore_s * 1000,
+            restore_bytes=hit.num_bytes if hit else 0,
             prefill_tokens=len(prompt.tokens) - restored,
             prefill_ms=prefill_s * 1000,
             decode_ms=decode_s * 1000,

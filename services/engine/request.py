@@ -39,6 +39,7 @@ class Timings:
     cache_source: str = "none"  # memory | disk | none
     restored_tokens: int = 0
     restore_ms: float = 0.0
+    restore_bytes: int = 0
     prefill_tokens: int = 0
     prefill_ms: float = 0.0
     decode_ms: float = 0.0

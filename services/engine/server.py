@@ -136,17 +136,33 @@ def create_app(engine: Engine, cfg: EngineConfig, keepalive_s: float = KEEPALIVE
         rid = "chatcmpl-" + uuid.uuid4().hex[:24]
         job = worker.submit(req, prompt)
         if not body.get("stream"):
-            try:
-                while True:
-                    ev = await next_event(job)
-                    if isinstance(ev, FinishEvent):
-                        return Response(completion_body(rid, model_id, ev, engine.namespace))
-                    if ev is None:
-                        raise RuntimeError("generation ended without a finish event")
-            finally:
-                job.cancelled.set()  # the client is gone or the reply is out; never decode for nobody
+            return await _complete(job, rid, request)
         return Stream(_stream(job, rid), media_type="text/event-stream",
                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _complete(job: Job, rid: str, request: Request[Any, Any, Any]) -> Response[Any]:
+        """Wait for the finish event; a client that disconnects first cancels the job."""
+        answer = asyncio.ensure_future(_finish_of(job))
+        gone = asyncio.ensure_future(_until_disconnect(request))
+        try:
+            await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not answer.done():
+                job.cancelled.set()
+                answer.cancel()
+        if answer.cancelled():
+            return Response(content=b"", status_code=499)
+        ev = answer.result()
+        return Response(completion_body(rid, model_id, ev, engine.namespace))
+
+    async def _finish_of(job: Job) -> FinishEvent:
+        while True:
+            ev = await next_event(job)
+            if isinstance(ev, FinishEvent):
+                return ev
+            if ev is None:
+                raise RuntimeError("generation ended without a finish event")
 
     async def _stream(job: Job, rid: str) -> AsyncIterator[bytes]:
         created = int(time.time())
@@ -209,6 +225,14 @@ def create_app(engine: Engine, cfg: EngineConfig, keepalive_s: float = KEEPALIVE
         on_shutdown=[shutdown],
         request_max_body_size=32 * 1024 * 1024,
     )
+
+
+async def _until_disconnect(request: Request[Any, Any, Any]) -> None:
+    """Returns when the client has gone away (the body is already read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
 
 
 def _cache_info(engine: Engine, limit: int) -> dict[str, Any]:

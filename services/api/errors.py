@@ -1,0 +1,101 @@
+"""The gateway's one error shape and the exception handler that renders it.
+
+Every error the gateway answers with, its own or an engine's passed through, is
+    {"error": {"message": str, "type": str, "param": str | None, "code": int}}
+with `code` equal to the HTTP status. Messages say what the caller should change.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from litestar import Request, Response
+from litestar.exceptions import HTTPException
+
+log = logging.getLogger("keepwarm.api")
+
+# OpenAI-style `type` per status; anything else is "api_error".
+_TYPES: Mapping[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    502: "api_error",
+    503: "service_unavailable",
+}
+
+
+class ApiError(Exception):
+    """An error the gateway answers with; raise it from any handler."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        type_: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type_ or _TYPES.get(status, "api_error")
+        self.headers: dict[str, str] = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}
+        }
+
+    def response(self) -> Response[bytes]:
+        return Response(
+            content=json.dumps(self.body()).encode(),
+            status_code=self.status,
+            media_type="application/json",
+            headers=self.headers,
+        )
+
+
+def upstream_error(status: int, body: bytes, headers: Mapping[str, str]) -> ApiError:
+    """An engine's non-200 answer as an ApiError: its message/type/param are kept
+    when it used the error shape, its Retry-After is passed on."""
+    message = f"engine answered HTTP {status}"
+    param: str | None = None
+    type_: str | None = None
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        parsed = None
+    if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
+        err = parsed["error"]
+        message = str(err.get("message") or message)
+        param = err.get("param") if isinstance(err.get("param"), str) else None
+        type_ = err.get("type") if isinstance(err.get("type"), str) else None
+    elif body:
+        message = f"{message}: {body[:500].decode(errors='replace')}"
+    passed = {k: v for k, v in headers.items() if k.lower() == "retry-after"}
+    return ApiError(status, message, param=param, type_=type_, headers=passed)
+
+
+def handle_exception(request: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
+    """Litestar's handler for every exception: ApiError as is, litestar's own
+    HTTP errors (404, 405, ...) in the same shape, anything else a logged 500."""
+    if isinstance(exc, ApiError):
+        return exc.response()
+    if isinstance(exc, HTTPException):
+        detail = exc.detail or "error"
+        if exc.status_code == 404:
+            detail = f"no route for {request.method} {request.url.path}; see /v1/chat/completions, /v1/models, /v1/stats"
+        elif exc.status_code == 405:
+            detail = f"{request.method} is not allowed on {request.url.path}"
+        return ApiError(exc.status_code, detail, headers=exc.headers or {}).response()
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    return ApiError(500, f"internal gateway error: {type(exc).__name__}").response()

@@ -1,0 +1,106 @@
+"""Cache and latency statistics in Redis, so every gateway process adds to the
+same counters and a gateway restart keeps them. Read back by GET /v1/stats.
+
+Layout (P = config.redis_prefix):
+  P stats:totals      hash  integer counters (requests, hits, tokens, hits_memory, hits_disk,
+                            restore_bytes) and float sums in ms (prefill_ms, prefill_saved_ms, restore_ms)
+  P stats:since       str   unix time counting began (SETNX by the first gateway start or request)
+  P stats:recent      list  JSON RequestRecords, newest first, at most recent_len
+  P stats:ttft:cold   list  ttft_ms of requests with cache_source "none", newest first, at most ttft_len
+  P stats:ttft:warm   list  ttft_ms of requests restored from memory or disk
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from redis.asyncio import Redis
+
+from keepwarm.api.record import RequestRecord
+
+_INT_FIELDS = (
+    "requests",
+    "hits",
+    "prompt_tokens",
+    "cached_tokens",
+    "completion_tokens",
+    "restore_bytes",
+    "hits_memory",
+    "hits_disk",
+)
+_MS_FIELDS = ("prefill_ms", "prefill_saved_ms", "restore_ms")
+
+
+class StatsStore:
+    """`redis` must decode responses (decode_responses=True)."""
+
+    def __init__(self, redis: Redis, *, prefix: str, recent_len: int, ttft_len: int) -> None:
+        self._r = redis
+        self._p = prefix
+        self._recent_len = recent_len
+        self._ttft_len = ttft_len
+
+    def key(self, name: str) -> str:
+        return f"{self._p}stats:{name}"
+
+    async def start(self, now: float) -> None:
+        """Marks when counting began, unless an earlier gateway already did."""
+        await self._r.setnx(self.key("since"), now)
+
+    async def record(self, rec: RequestRecord) -> None:
+        totals = self.key("totals")
+        ttft = self.key("ttft:warm" if rec.cache_source in ("memory", "disk") else "ttft:cold")
+        async with self._r.pipeline(transaction=True) as pipe:
+            pipe.setnx(self.key("since"), rec.ts)
+            pipe.hincrby(totals, "requests", 1)
+            pipe.hincrby(totals, "hits", 1 if rec.hit else 0)
+            pipe.hincrby(totals, "prompt_tokens", rec.prompt_tokens)
+            pipe.hincrby(totals, "cached_tokens", rec.cached_tokens)
+            pipe.hincrby(totals, "completion_tokens", rec.completion_tokens)
+            pipe.hincrby(totals, "restore_bytes", rec.restore_bytes)
+            if rec.cache_source in ("memory", "disk"):
+                pipe.hincrby(totals, f"hits_{rec.cache_source}", 1)
+            pipe.hincrbyfloat(totals, "prefill_ms", rec.prefill_ms)
+            pipe.hincrbyfloat(totals, "prefill_saved_ms", rec.prefill_saved_ms)
+            pipe.hincrbyfloat(totals, "restore_ms", rec.restore_ms)
+            pipe.lpush(self.key("recent"), json.dumps(rec.as_dict()))
+            pipe.ltrim(self.key("recent"), 0, self._recent_len - 1)
+            pipe.lpush(ttft, rec.ttft_ms)
+            pipe.ltrim(ttft, 0, self._ttft_len - 1)
+            await pipe.execute()
+
+    async def snapshot(self, engines: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """The GET /v1/stats document."""
+        async with self._r.pipeline(transaction=True) as pipe:
+            pipe.hgetall(self.key("totals"))
+            pipe.get(self.key("since"))
+            pipe.lrange(self.key("recent"), 0, -1)
+            pipe.lrange(self.key("ttft:cold"), 0, -1)
+            pipe.lrange(self.key("ttft:warm"), 0, -1)
+            raw, since, recent, cold, warm = await pipe.execute()
+        ints = {f: int(raw.get(f, 0)) for f in _INT_FIELDS}
+        ms = {f: float(raw.get(f, 0)) for f in _MS_FIELDS}
+        requests, prompt = ints["requests"], ints["prompt_tokens"]
+        return {
+            "totals": {
+                "requests": requests,
+                "hits": ints["hits"],
+                "hit_rate_requests": ints["hits"] / requests if requests else 0.0,
+                "prompt_tokens": prompt,
+                "cached_tokens": ints["cached_tokens"],
+                "hit_rate_tokens": ints["cached_tokens"] / prompt if prompt else 0.0,
+                "prefill_seconds": ms["prefill_ms"] / 1000.0,
+                "prefill_saved_seconds": ms["prefill_saved_ms"] / 1000.0,
+                "restore_seconds": ms["restore_ms"] / 1000.0,
+                "restore_bytes": ints["restore_bytes"],
+                "hits_by_tier": {"memory": ints["hits_memory"], "disk": ints["hits_disk"]},
+                "completion_tokens": ints["completion_tokens"],
+            },
+            "ttft_ms": {"cold": [float(v) for v in cold], "warm": [float(v) for v in warm]},
+            "recent": [json.loads(r) for r in recent],
+            "engines": list(engines),
+            "since": float(since) if since is not None else time.time(),
+        }

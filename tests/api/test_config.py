@@ -1,0 +1,80 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from keepwarm.api.config import ConfigError, parse_api_keys, parse_config, read_api_keys_file
+
+SECRET = "s" * 20
+
+
+def test_keys_from_env_string() -> None:
+    assert parse_api_keys("k1:alpha, k2:beta,") == {"k1": "alpha", "k2": "beta"}
+    # A key may itself contain ':'; the tenant is after the last one.
+    assert parse_api_keys("sk:abc:team") == {"sk:abc": "team"}
+    with pytest.raises(ConfigError, match="'key:tenant'"):
+        parse_api_keys("nocolon")
+
+
+def test_keys_from_file(tmp_path: Path) -> None:
+    f = tmp_path / "keys"
+    f.write_text("# comment\nk1 alpha\n\n k2  beta  # trailing\n")
+    assert read_api_keys_file(f) == {"k1": "alpha", "k2": "beta"}
+    f.write_text("k1 alpha extra\n")
+    with pytest.raises(ConfigError, match=r"keys:1: expected 'key tenant'"):
+        read_api_keys_file(f)
+    with pytest.raises(ConfigError, match="cannot read KEEPWARM_API_KEYS_FILE"):
+        read_api_keys_file(tmp_path / "missing")
+
+
+def test_flags_override_env(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("filekey filetenant\n")
+    env = {
+        "KEEPWARM_ENGINES": "http://a:1/,http://b:2",
+        "REDIS_URL": "redis://r:6379/1",
+        "KEEPWARM_API_KEYS": "envkey:envtenant",
+        "KEEPWARM_API_KEYS_FILE": str(keys),
+        "KEEPWARM_SECRET": SECRET,
+        "KEEPWARM_RATE_LIMIT": "5",
+    }
+    cfg = parse_config([], env)
+    assert cfg.engines == ("http://a:1", "http://b:2")
+    assert cfg.redis_url == "redis://r:6379/1"
+    assert dict(cfg.api_keys) == {"filekey": "filetenant", "envkey": "envtenant"}
+    assert cfg.secret == SECRET.encode()
+    assert (cfg.rate_limit, cfg.rate_window_s, cfg.port) == (5, 60, 8000)
+    cfg = parse_config(["--engine", "http://c:3", "--port", "9001", "--rate-limit", "0"], env)
+    assert cfg.engines == ("http://c:3",)
+    assert (cfg.port, cfg.rate_limit) == (9001, 0)
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        ([], {"KEEPWARM_API_KEYS": "k:t", "KEEPWARM_SECRET": SECRET}, "no engine configured"),
+        (["--engine", "a:1"], {"KEEPWARM_API_KEYS": "k:t", "KEEPWARM_SECRET": SECRET}, "must start with http"),
+        (["--engine", "http://a"], {"KEEPWARM_SECRET": SECRET}, "no API keys"),
+        (["--engine", "http://a"], {"KEEPWARM_API_KEYS": "k:t", "KEEPWARM_SECRET": "short"}, "KEEPWARM_SECRET"),
+        (["--engine", "http://a", "--engine", "http://a"], {"KEEPWARM_API_KEYS": "k:t", "KEEPWARM_SECRET": SECRET},
+         "distinct"),
+        (["--engine", "http://a"], {"KEEPWARM_API_KEYS": "k:t", "KEEPWARM_SECRET": SECRET,
+                                    "KEEPWARM_RATE_WINDOW": "x"}, "KEEPWARM_RATE_WINDOW must be a int"),
+    ],
+)  # fmt: skip
+def test_bad_config_names_what_to_change(argv: list[str], env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_config(argv, env)
+
+
+def test_cli_exits_2_naming_the_missing_setting() -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KEEPWARM_")}
+    r = subprocess.run([sys.executable, "-m", "keepwarm.api", "--port", "1"], env=env, capture_output=True,
+                       text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 2
+    assert "no engine configured: pass --engine http://HOST:PORT or set KEEPWARM_ENGINES" in r.stderr

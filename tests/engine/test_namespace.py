@@ -1,0 +1,134 @@
+"""Namespace ids, prefix keys and the cached weights fingerprint."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+from pathlib import Path
+
+import pytest
+import xxhash
+
+from keepwarm.engine import namespace as ns
+from keepwarm.engine.namespace import namespace_id, prefix_key, prefix_keys, text_hash, weights_fingerprint
+
+NS_FIELDS = dict(
+    format_version=1,
+    family="dense",
+    weights_fingerprint="w",
+    tokenizer_hash="t",
+    chat_template_hash="c",
+    dtype="bfloat16",
+    layout_id="l",
+)
+
+
+def _independent_key(namespace: str, salt: str, tokens: list[int]) -> str:
+    """The documented construction, rebuilt from hashlib alone."""
+    h = hashlib.blake2b(digest_size=16, person=b"keepwarm.key")
+    for f in (namespace.encode(), salt.encode()):
+        h.update(struct.pack("<I", len(f)) + f)
+    h.update(b"".join(t.to_bytes(4, "little", signed=True) for t in tokens))
+    return h.hexdigest()
+
+
+def test_prefix_key_is_pinned_and_matches_the_documented_construction() -> None:
+    # A golden value: changing it silently orphans every cache folder in the field.
+    assert prefix_key("ns", "salt", [1, 2, 3]) == "0ddaccf33897fc7525e5ca16a87252b1"
+    for tokens in ([], [0], [1, 2, 3], [-5, 2**31 - 1, 151643]):
+        assert prefix_key("nsx", "s", tokens) == _independent_key("nsx", "s", tokens)
+
+
+def test_prefix_key_separates_salt_namespace_tokens_and_length() -> None:
+    base = prefix_key("ns", "tenant-a", [1, 2, 3])
+    assert len(base) == 32 and int(base, 16) >= 0
+    assert prefix_key("ns", "tenant-a", [1, 2, 3]) == base  # deterministic
+    others = {
+        prefix_key("ns", "tenant-b", [1, 2, 3]),  # tenant salt
+        prefix_key("ns", "", [1, 2, 3]),  # identity (no) salt
+        prefix_key("ns2", "tenant-a", [1, 2, 3]),  # namespace
+        prefix_key("ns", "tenant-a", [1, 2, 4]),  # one token
+        prefix_key("ns", "tenant-a", [1, 2]),  # shorter
+        prefix_key("ns", "tenant-a", [1, 2, 3, 0]),  # longer by a zero token
+        prefix_key("nst", "enant-a", [1, 2, 3]),  # field boundaries cannot shift
+    }
+    assert base not in others and len(others) == 7
+
+
+def test_prefix_keys_equals_one_key_per_length() -> None:
+    tokens = list(range(100, 140))
+    lengths = [40, 0, 7, 7, 31]
+    assert prefix_keys("ns", "s", tokens, lengths) == [prefix_key("ns", "s", tokens[:n]) for n in lengths]
+    with pytest.raises(ValueError, match="outside 0..40"):
+        prefix_keys("ns", "s", tokens, [41])
+
+
+def test_prefix_key_rejects_non_int32_tokens() -> None:
+    with pytest.raises(ValueError, match="int32"):
+        prefix_key("ns", "s", [1, 2**31])
+
+
+def test_namespace_id_is_pinned_and_changes_with_every_field() -> None:
+    base = namespace_id(**NS_FIELDS)
+    assert base == "c26a8e2e13ddcec794c33b8f6db409b3"
+    changed = set()
+    for name, value in NS_FIELDS.items():
+        other = dict(NS_FIELDS)
+        other[name] = 2 if name == "format_version" else f"{value}x"
+        changed.add(namespace_id(**other))  # type: ignore[arg-type]
+    assert base not in changed and len(changed) == len(NS_FIELDS)
+
+
+def test_text_hash() -> None:
+    assert text_hash("{{ messages }}") == hashlib.sha256(b"{{ messages }}").hexdigest()[:32]
+    assert text_hash("a") != text_hash("b")
+
+
+def _write(path: Path, data: bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path
+
+
+def test_weights_fingerprint_hashes_content_not_location(tmp_path: Path) -> None:
+    a1 = _write(tmp_path / "a" / "model-1.safetensors", b"x" * 1000)
+    a2 = _write(tmp_path / "a" / "model-2.safetensors", b"y" * 3000)
+    b1 = _write(tmp_path / "b" / "model-1.safetensors", b"x" * 1000)
+    b2 = _write(tmp_path / "b" / "model-2.safetensors", b"y" * 3000)
+    fa = weights_fingerprint([a1, a2], None)
+    assert fa == weights_fingerprint([b2, b1], None)  # other folder, other order
+    expected = xxhash.xxh3_128()
+    for name, data in sorted([("model-1.safetensors", b"x" * 1000), ("model-2.safetensors", b"y" * 3000)]):
+        expected.update(f"{name}\0{len(data)}\0{xxhash.xxh3_128_hexdigest(data)}\n".encode())
+    assert fa == expected.hexdigest()
+    _write(b2, b"y" * 2999 + b"z")
+    assert weights_fingerprint([b1, b2], None) != fa
+    with pytest.raises(ValueError, match="at least one"):
+        weights_fingerprint([], None)
+
+
+def test_weights_fingerprint_cache_skips_rehash_until_size_or_mtime_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w = _write(tmp_path / "m" / "model.safetensors", b"abc" * 5000)
+    cache = tmp_path / "state" / "fingerprints.json"
+    reads: list[Path] = []
+    real = ns._file_digest
+
+    def counting(path: Path) -> str:
+        reads.append(path)
+        return real(path)
+
+    monkeypatch.setattr(ns, "_file_digest", counting)
+    first = weights_fingerprint([w], cache)
+    assert len(reads) == 1 and cache.is_file()
+    assert weights_fingerprint([w], cache) == first  # a restart: answered from the cache
+    assert len(reads) == 1
+    st = w.stat()
+    w.write_bytes(b"abd" * 5000)  # same size, new content, new mtime
+    os.utime(w, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    second = weights_fingerprint([w], cache)
+    assert len(reads) == 2 and second != first
+    cache.write_text("{not json")  # a damaged cache is rebuilt, not trusted
+    assert weights_fingerprint([w], cache) == second and len(reads) == 3
