@@ -161,12 +161,12 @@ def _long_messages(engine: Any, target: int) -> list[dict[str, str]]:
     """A system prompt of real text sized so the rendered chat is about `target` tokens."""
     corpus = (Path(__file__).resolve().parent.parent / "services/engine/data/corpus.txt").read_text()
     words = corpus.split()
-    lo, hi = 1, len(words)
+    lo, hi = 1, min(len(words), 2 * target)
     question = {"role": "user", "content": "Summarize the notes above in one sentence."}
     while lo < hi:  # largest word count whose rendering fits the target
         mid = (lo + hi + 1) // 2
         msgs = [{"role": "system", "content": " ".join(words[:mid])}, question]
-        if len(engine.prepare(_req(msgs)).tokens) <= target:
+        if len(engine.template.encode_chat(msgs).tokens) <= target:
             lo = mid
         else:
             hi = mid - 1
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompt-tokens", type=int, default=2048)
     p.add_argument("--decode-tokens", type=int, default=32)
-    p.add_argument("--chunk", type=int, default=512)
+    p.add_argument("--chunk", type=int, default=2048)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     from keepwarm.engine.config import DTYPES

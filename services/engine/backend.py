@@ -57,7 +57,9 @@ class Backend(Protocol):
         """Right-sized named views of `state` plus `sidecar.logits`; no copy."""
         ...
 
-    def adopt(self, snapshot: Snapshot, capacity: int) -> State:
-        """A new state equal to `snapshot`; raises SnapshotMismatch (after validating
-        every tensor, before writing any) when it does not fit `geometry`."""
+    def adopt(self, snapshot: Snapshot, capacity: int, into: State | None = None) -> State:
+        """A state equal to `snapshot`; raises SnapshotMismatch (after validating every
+        tensor, before writing any) when it does not fit `geometry`. `into` is a spent
+        state of this backend whose buffers may be reused (their pages are already
+        mapped, which makes a restore a plain memory copy)."""
         ...

@@ -49,7 +49,7 @@ class EngineConfig:
     dtype: str = "bfloat16"
     num_threads: int = 0  # 0 = torch default
     max_context: int = 8192  # state capacity in tokens; longer prompts are rejected
-    chunk_size: int = 512  # prefill chunk
+    chunk_size: int = 2048  # prefill chunk (tokens per forward)
     cache_dir: Path | None = None  # None disables the disk tier
     disk_budget: int = 16 * 1024**3
     min_free_disk: int = 1024**3

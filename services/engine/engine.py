@@ -99,6 +99,7 @@ class Engine:
         self.stats = EngineStats()
         self.recent_prompts: deque[tuple[str, list[int]]] = deque(maxlen=1000)
         self.lock = threading.Lock()  # one generation at a time
+        self.spare: State | None = None  # the last request's state, reused by the next restore
 
     def _validate(self, snap: Snapshot) -> None:
         self.backend.geometry.validate(snap.tensors, snap.position)
@@ -194,13 +195,14 @@ class Engine:
         if hit is not None:
             t_r = time.perf_counter()
             try:
-                state = self.backend.adopt(hit.snapshot, self.cfg.max_context)
+                state = self.backend.adopt(hit.snapshot, self.cfg.max_context, into=self.spare)
             except ValueError:
                 state = None  # a mismatch the tier did not catch: treat as a miss
             restore_s = hit.seconds + (time.perf_counter() - t_r)
         if state is None:
             hit = None
             state = self.backend.new_state(self.cfg.max_context)
+        self.spare = None
         restored = state.position
 
         t_p = time.perf_counter()
@@ -215,6 +217,7 @@ class Engine:
         if policy.enabled:
             self.recent_prompts.append((salt, tokens))
         if logits is None:
+            self.spare = state
             yield self._finish("cancelled", "", prompt, 0, hit, restore_s, prefill_s, 0.0, t0, diverged)
             return
         num_prefill = len(tokens) - restored
@@ -279,6 +282,7 @@ class Engine:
             self.runner.decode(state, generated[-1])
             self.cache.save(salt, covered, self.backend.export(state))
             self.stats.snapshots_saved += 1
+        self.spare = state
 
     def _finish(
         self, reason: str, text: str, prompt: Prompt, num_generated: int, hit: Hit | None, restore_s: float,

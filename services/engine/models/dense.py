@@ -117,11 +117,11 @@ class DenseBackend:
         out[LOGITS] = state.logits
         return Snapshot(p, out)
 
-    def adopt(self, snapshot: Snapshot, capacity: int) -> State:
+    def adopt(self, snapshot: Snapshot, capacity: int, into: State | None = None) -> State:
         if snapshot.position > capacity:
             raise SnapshotMismatch(f"snapshot covers {snapshot.position} tokens, capacity is {capacity}")
         self.geometry.validate(snapshot.tensors, snapshot.position)
-        state = self.new_state(capacity)
+        state = into if into is not None and into.capacity == capacity else self.new_state(capacity)
         p = snapshot.position
         for name, t in state.tensors.items():
             t[:p].copy_(snapshot.tensors[name])

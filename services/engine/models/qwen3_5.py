@@ -253,7 +253,9 @@ class Qwen35Backend:
         out[LOGITS] = state.logits
         return Snapshot(p, out)
 
-    def adopt(self, snapshot: Snapshot, capacity: int) -> State:
+    def adopt(self, snapshot: Snapshot, capacity: int, into: State | None = None) -> State:
+        # `into` (a spent state whose buffers could be reused) is not used: this family
+        # replaces its fixed-size tensors per step, so there is little to reuse.
         p = snapshot.position
         if p > capacity:
             raise SnapshotMismatch(
