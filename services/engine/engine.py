@@ -174,7 +174,7 @@ class Engine:
             last = self.cache.stored_tokens(hint.key)
             if last is not None:
                 d = diverged_at(prompt.tokens, last)
-                diverged = d if d < len(last) else None
+                diverged = d if d < min(len(last), len(prompt.tokens)) else None  # a real difference
         return hit, diverged
 
     def _generate(
