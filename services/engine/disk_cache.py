@@ -65,6 +65,7 @@ from pathlib import Path
 from keepwarm.engine.snapshot import Snapshot
 from keepwarm.engine.snapshot_file import (
     SUFFIX,
+    Alloc,
     TMP_SUFFIX,
     SnapshotFileError,
     encode_snapshot,
@@ -441,7 +442,9 @@ class DiskCache:
                     self._pending.discard(key)
         return True
 
-    def load(self, key: str, tokens: Sequence[int], validate: Callable[[Snapshot], None]) -> Snapshot | None:
+    def load(
+        self, key: str, tokens: Sequence[int], validate: Callable[[Snapshot], None], alloc: Alloc | None = None
+    ) -> Snapshot | None:
         """The verified snapshot stored under `key` for exactly `tokens`, or None.
 
         `validate` raises ValueError (e.g. SnapshotMismatch) when the snapshot does
@@ -456,7 +459,7 @@ class DiskCache:
         try:
             t0 = time.perf_counter()
             try:
-                snapshot, _ = read_snapshot(path, namespace=self.namespace, tokens=tokens, key=key)
+                snapshot, _ = read_snapshot(path, namespace=self.namespace, tokens=tokens, key=key, alloc=alloc)
             except FileNotFoundError:
                 with self._lock:
                     self._entries.pop(path, None)

@@ -167,7 +167,11 @@ class Engine:
         lengths = candidate_lengths(
             len(prompt.tokens), prompt.boundaries, self.cache.known_lengths(), req.session_hint, self.cfg.min_tokens
         )
-        hit = self.cache.lookup(req.cache_salt, prompt.tokens, lengths)
+        restore_target = getattr(self.backend, "restore_target", None)  # optional backend capability
+        if restore_target is not None and self.spare is None:
+            self.spare = self.backend.new_state(self.cfg.max_context)
+        alloc = restore_target(self.spare) if restore_target is not None else None
+        hit = self.cache.lookup(req.cache_salt, prompt.tokens, lengths, alloc)
         hint = req.session_hint
         diverged = None
         if hint is not None and (hit is None or hit.num_key_tokens < hint.num_tokens):
@@ -198,6 +202,7 @@ class Engine:
                 state = self.backend.adopt(hit.snapshot, self.cfg.max_context, into=self.spare)
             except ValueError:
                 state = None  # a mismatch the tier did not catch: treat as a miss
+                hit = None
             restore_s = hit.seconds + (time.perf_counter() - t_r)
         if state is None:
             hit = None
@@ -282,6 +287,8 @@ class Engine:
             self.runner.decode(state, generated[-1])
             self.cache.save(salt, covered, self.backend.export(state))
             self.stats.snapshots_saved += 1
+        if hit is not None:
+            self.cache.promote(hit)  # off the TTFT path; the hit's rows of `state` are unchanged
         self.spare = state
 
     def _finish(

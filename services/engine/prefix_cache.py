@@ -16,7 +16,7 @@ from keepwarm.engine.disk_cache import DiskCache
 from keepwarm.engine.memory_cache import MemoryCache
 from keepwarm.engine.namespace import prefix_key
 from keepwarm.engine.snapshot import Snapshot
-from keepwarm.engine.snapshot_file import SnapshotFileError, read_snapshot
+from keepwarm.engine.snapshot_file import Alloc, SnapshotFileError, read_snapshot
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,8 @@ class Hit:
     source: str  # "memory" | "disk"
     seconds: float
     num_bytes: int
+    tokens: tuple[int, ...] = ()  # the key's tokens
+    aliased: bool = False  # the snapshot lives in the caller's `alloc` memory: promote() it later
 
 
 def candidate_lengths(
@@ -80,28 +82,40 @@ class PrefixCache:
             out.update(e.tokens for e in self.disk.entries() if e.namespace == self.namespace)
         return out
 
-    def lookup(self, salt: str, tokens: Sequence[int], lengths: Sequence[int]) -> Hit | None:
+    def lookup(
+        self, salt: str, tokens: Sequence[int], lengths: Sequence[int], alloc: Alloc | None = None
+    ) -> Hit | None:
+        """The deepest hit among `lengths`. `alloc` lets a disk hit be read straight
+        into the caller's memory (see snapshot_file.Alloc); such a hit is `aliased`."""
         for n in lengths:
             key = self.key(salt, tokens[:n])
-            hit = self._probe(key, list(tokens[:n]))
+            hit = self._probe(key, list(tokens[:n]), alloc)
             if hit is not None:
                 return hit
         return None
 
-    def _probe(self, key: str, tokens: list[int]) -> Hit | None:
+    def promote(self, hit: Hit) -> None:
+        """Put an aliased disk hit into the RAM tier (a copy: the alias is reused later)."""
+        if hit.aliased and self.memory is not None and hit.key not in self.memory:
+            self._remember(hit.key, list(hit.tokens), hit.snapshot.detached())
+
+    def _probe(self, key: str, tokens: list[int], alloc: Alloc | None) -> Hit | None:
         t0 = time.perf_counter()
         if self.memory is not None:
             found = self.memory.get(key)
             if found is not None:
                 stored_tokens, snap = found
                 if stored_tokens == tokens:
-                    return Hit(key, len(tokens), snap, "memory", time.perf_counter() - t0, snap.num_bytes)
+                    return Hit(key, len(tokens), snap, "memory", time.perf_counter() - t0, snap.num_bytes,
+                               tuple(tokens))
                 self.memory.remove(key)  # a hash collision or a stale entry: never adopt it
         if self.disk is not None and self.disk.contains(key):
-            snap = self.disk.load(key, tokens, self.validate)
+            snap = self.disk.load(key, tokens, self.validate, alloc)
             if snap is not None:
-                self._remember(key, tokens, snap)
-                return Hit(key, len(tokens), snap, "disk", time.perf_counter() - t0, snap.num_bytes)
+                if alloc is None:
+                    self._remember(key, tokens, snap)
+                return Hit(key, len(tokens), snap, "disk", time.perf_counter() - t0, snap.num_bytes,
+                           tuple(tokens), aliased=alloc is not None)
         return None
 
     def save(self, salt: str, tokens: Sequence[int], snapshot: Snapshot) -> str:

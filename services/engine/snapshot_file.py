@@ -38,7 +38,7 @@ import os
 import secrets
 import struct
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,6 +74,11 @@ _DTYPES: dict[str, torch.dtype] = {
     "F8_E5M2": torch.float8_e5m2,
 }
 _DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in _DTYPES.items()}
+
+# Where a restore may put a tensor: (name, dtype, shape) -> a contiguous tensor of
+# exactly that dtype and shape (e.g. rows of a live state's preallocated buffer,
+# whose pages are already mapped), or None for a fresh allocation.
+Alloc = Callable[[str, torch.dtype, tuple[int, ...]], "torch.Tensor | None"]
 
 
 class SnapshotFileError(Exception):
@@ -251,22 +256,27 @@ def read_snapshot(
     namespace: str,
     tokens: Sequence[int] | None = None,
     key: str | None = None,
+    alloc: Alloc | None = None,
 ) -> tuple[Snapshot, list[int]]:
     """Load and verify one file: (snapshot, key token ids).
 
     Verifies format version, namespace (and key when given), position <= key
     tokens, file size = header + data, every checksum, and the token ids when
-    `tokens` is given. The returned tensors are views into one buffer holding
-    the file. FileNotFoundError passes through (a miss, not a bad file); every
+    `tokens` is given. Without `alloc` the returned tensors are views into one
+    buffer holding the file; with it, each tensor is read straight into the
+    memory `alloc` names (no intermediate copy; on failure that memory holds
+    garbage). FileNotFoundError passes through (a miss, not a bad file); every
     other problem raises SnapshotFileError.
     """
+    if alloc is not None:
+        return _read_into(path, namespace=namespace, tokens=tokens, key=key, alloc=alloc)
     try:
         buf = _read_all(path)
     except FileNotFoundError:
         raise
     except OSError as e:
         raise SnapshotFileError("unreadable", repr(e)) from e
-    view = buf.numpy().data
+    view = memoryview(buf.numpy())
     header = _parse_header(view[: 8 + _MAX_HEADER], len(view))
     header.check(namespace=namespace, key=key)
     start = header.data_start
@@ -278,6 +288,44 @@ def read_snapshot(
     if tokens is not None and list(tokens) != stored:
         raise SnapshotFileError("tokens_mismatch", _divergence(stored, tokens))
     tensors = {name: _tensor_view(buf, start, t) for name, t in header.tensors.items() if name != TOKENS}
+    return Snapshot(header.position, tensors), stored
+
+
+def _read_into(
+    path: Path, *, namespace: str, tokens: Sequence[int] | None, key: str | None, alloc: Alloc
+) -> tuple[Snapshot, list[int]]:
+    """read_snapshot reading each tensor into its destination, in file order."""
+    try:
+        with open(path, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+            head += f.read(min(n, _MAX_HEADER))
+            header = _parse_header(head, size)
+            header.check(namespace=namespace, key=key)
+            tensors: dict[str, torch.Tensor] = {}
+            for name, t in sorted(header.tensors.items(), key=lambda kv: kv[1].begin):
+                dest = alloc(name, t.dtype, t.shape) if name != TOKENS else None
+                if dest is None or dest.dtype != t.dtype or tuple(dest.shape) != t.shape or not dest.is_contiguous():
+                    dest = torch.empty(t.shape, dtype=t.dtype)
+                raw = memoryview(dest.reshape(-1).view(torch.uint8).numpy()) if dest.numel() else memoryview(b"")
+                f.seek(header.data_start + t.begin)
+                got = 0
+                while got < len(raw):
+                    k = f.readinto(raw[got:])
+                    if not k:
+                        raise SnapshotFileError("truncated", f"{name}: file ended early")
+                    got += k
+                if xxhash.xxh3_64_hexdigest(raw) != header.checksums[name]:
+                    raise SnapshotFileError("checksum", name)
+                tensors[name] = dest
+    except (FileNotFoundError, SnapshotFileError):
+        raise
+    except OSError as e:
+        raise SnapshotFileError("unreadable", repr(e)) from e
+    stored = tensors.pop(TOKENS).tolist()
+    if tokens is not None and list(tokens) != stored:
+        raise SnapshotFileError("tokens_mismatch", _divergence(stored, tokens))
     return Snapshot(header.position, tensors), stored
 
 

@@ -211,3 +211,37 @@ def test_tmp_writer_pid() -> None:
     assert tmp_writer_pid(f"{KEY}.safetensors.4242.deadbeef.tmp") == 4242
     assert tmp_writer_pid(f"{KEY}.safetensors") is None
     assert tmp_writer_pid("junk.tmp") is None
+
+
+def test_read_into_caller_memory_is_byte_identical_and_zero_copy(tmp_path: Path) -> None:
+    path = tmp_path / "k.safetensors"
+    snap = _write(path)
+    k_buf = torch.zeros(32, 2, 8, dtype=torch.bfloat16)  # a state buffer with spare capacity
+    asked: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+
+    def alloc(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
+        asked.append((name, dtype, shape))
+        if name == "layers.0.k":
+            return k_buf[: shape[0]]
+        if name == "layers.0.v":
+            return torch.empty(shape[0] + 1, 2, 8, dtype=dtype)  # wrong shape: ignored, fresh memory used
+        return None
+
+    got, toks = read_snapshot(path, namespace=NAMESPACE, tokens=TOKENS_10, alloc=alloc)
+    assert toks == TOKENS_10
+    assert same_bytes(got, snap)
+    assert got.tensors["layers.0.k"].data_ptr() == k_buf.data_ptr()
+    assert torch.equal(k_buf[:8], snap.tensors["layers.0.k"]) and not k_buf[8:].any()
+    assert sorted(n for n, _, _ in asked) == sorted(snap.tensors)  # meta.tokens is never offered
+    assert ("layers.0.k", torch.bfloat16, (8, 2, 8)) in asked
+
+
+def test_read_into_rejects_a_flipped_byte(tmp_path: Path) -> None:
+    path = tmp_path / "k.safetensors"
+    _write(path)
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(SnapshotFileError) as e:
+        read_snapshot(path, namespace=NAMESPACE, alloc=lambda *_: None)
+    assert e.value.reason == "checksum"

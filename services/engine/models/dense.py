@@ -18,6 +18,7 @@ from keepwarm.engine.backend import State
 from keepwarm.engine.checkpoint import Checkpoint, CheckpointError
 from keepwarm.engine.models.rope import Rope, build_rope
 from keepwarm.engine.snapshot import LOGITS, Geometry, Snapshot, SnapshotMismatch, TensorSpec
+from keepwarm.engine.snapshot_file import Alloc
 from keepwarm.kernels.ops import Ops
 
 
@@ -124,10 +125,24 @@ class DenseBackend:
         state = into if into is not None and into.capacity == capacity else self.new_state(capacity)
         p = snapshot.position
         for name, t in state.tensors.items():
-            t[:p].copy_(snapshot.tensors[name])
+            src = snapshot.tensors[name]
+            if t[:p].data_ptr() != src.data_ptr():  # equal when the restore read straight into `into`
+                t[:p].copy_(src)
         state.position = p
         state.logits = snapshot.tensors[LOGITS].to(self.device, torch.float32, copy=True)
         return state
+
+    def restore_target(self, state: State) -> Alloc:
+        """Where a snapshot file may be read directly: the first rows of `state`'s K/V
+        buffers (already-mapped pages), so adopt(..., into=state) copies nothing."""
+
+        def alloc(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
+            buf = state.tensors.get(name)
+            if buf is None or buf.dtype != dtype or len(shape) != buf.dim() or shape[1:] != tuple(buf.shape[1:]):
+                return None
+            return buf[: shape[0]] if shape[0] <= buf.shape[0] else None
+
+        return alloc
 
     # -- compute -------------------------------------------------------------
     def prefill(self, state: State, tokens: torch.Tensor) -> torch.Tensor:
