@@ -82,13 +82,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "serve":
         from keepwarm.engine.server import serve as run_server
 
-        run_server(cfg)
+        try:
+            run_server(cfg)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         return 0
 
     from keepwarm.engine.engine import Engine
     from keepwarm.engine.request import GenerateRequest
 
-    engine = Engine(cfg)
+    try:
+        engine = Engine(cfg)
+    except ValueError as e:  # CheckpointError, TokenizerError, ...: the message says what to fix
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         if args.command == "generate":
             if args.raw:
