@@ -506,7 +506,11 @@ def create_app(config: GatewayConfig) -> Litestar:
 
     @delete("/v1/cache", status_code=200)
     async def clear_cache(request: Request[Any, Any, Any]) -> dict[str, Any]:
-        caller_of(request)
+        caller = caller_of(request)
+        admins = gw.config.admin_tenants
+        if admins and caller.tenant not in admins:
+            raise ApiError(403, f"tenant {caller.tenant!r} may not clear the cache; "
+                                "KEEPWARM_ADMIN_TENANTS lists who may")
         return await gw.clear_cache()
 
     return Litestar(

@@ -13,6 +13,7 @@ Environment (a flag overrides its variable):
   KEEPWARM_MAX_BODY_BYTES   largest accepted request body           (--max-body-bytes)
   KEEPWARM_SESSION_TTL      seconds a session is remembered         (--session-ttl)
   KEEPWARM_HEALTH_INTERVAL  seconds between engine health polls     (--health-interval)
+  KEEPWARM_ADMIN_TENANTS    tenants allowed to DELETE /v1/cache; empty = every tenant (--admin-tenants)
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class GatewayConfig:
     recent_len: int = 200  # global recent request records kept for /v1/stats
     ttft_len: int = 500  # recent TTFT values kept per class (cold / warm)
     redis_prefix: str = "keepwarm:"
+    admin_tenants: tuple[str, ...] = ()  # who may clear the engines' caches; () = every tenant
 
     def validate(self) -> GatewayConfig:
         if not self.engines:
@@ -114,6 +116,7 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", default=None, type=int)
     p.add_argument("--session-ttl", default=None, type=int)
     p.add_argument("--health-interval", default=None, type=float)
+    p.add_argument("--admin-tenants", default=None, help="'tenantA,tenantB': who may DELETE /v1/cache")
 
 
 def config_from(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> GatewayConfig:
@@ -161,6 +164,8 @@ def config_from(args: argparse.Namespace, env: Mapping[str, str] | None = None) 
         max_body_bytes=int(number(args.max_body_bytes, "KEEPWARM_MAX_BODY_BYTES", 1024 * 1024, int)),
         session_ttl_s=int(number(args.session_ttl, "KEEPWARM_SESSION_TTL", 7 * 24 * 3600, int)),
         health_interval_s=number(args.health_interval, "KEEPWARM_HEALTH_INTERVAL", 2.0, float),
+        admin_tenants=tuple(t.strip() for t in (pick(args.admin_tenants, "KEEPWARM_ADMIN_TENANTS") or "").split(",")
+                            if t.strip()),
     ).validate()
 
 

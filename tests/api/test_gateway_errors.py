@@ -154,3 +154,14 @@ def test_rate_limit_is_429_with_retry_after(dead_engine: str, valkey: Proc, logs
         assert chat(gw, headers={"Authorization": "Bearer key-beta"}).status_code == 503
     finally:
         gw.stop()
+
+
+def test_only_admin_tenants_may_clear_the_cache(dead_engine: str, valkey: Proc, logs: Path) -> None:
+    gw = start_gateway([dead_engine], valkey.url, logs, extra=["--admin-tenants", "beta"])
+    try:
+        err = error_of(httpx.delete(gw.url + "/v1/cache", headers=ALPHA), 403)
+        assert "KEEPWARM_ADMIN_TENANTS" in err["message"] and "'alpha'" in err["message"]
+        r = httpx.delete(gw.url + "/v1/cache", headers={"Authorization": "Bearer key-beta"})
+        assert r.status_code == 200 and r.json()["deleted"] == 0
+    finally:
+        gw.stop()
