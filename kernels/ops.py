@@ -7,15 +7,17 @@ Shapes (one sequence, no batch dim):
       k, v hold rows 0..S-1 where S = start + T; query t sits at position start + t
       and sees keys 0..start + t (causal, bottom-right aligned).
   decode_attention(q [Hq, D], k [S, Hkv, D], v [S, Hkv, D], scale) -> [Hq, D]
+  linear(x [..., K], weight [N, K], bias [N] | None) -> [..., N]   (torch.nn.functional.linear)
 Hq is a multiple of Hkv (GQA/MQA).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 
 from keepwarm.kernels import reference
 
@@ -27,6 +29,7 @@ class Ops:
     rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     prefill_attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
     decode_attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+    linear: Callable[..., torch.Tensor] = F.linear
 
 
 TORCH_OPS = Ops(
@@ -39,11 +42,17 @@ TORCH_OPS = Ops(
 
 
 def ops_for(device: torch.device, use_triton: bool | None = None) -> Ops:
-    """The ops to run on `device`: Triton kernels on a GPU when Triton imports,
-    the pure-torch reference otherwise. `use_triton` forces the choice."""
+    """The ops to run on `device`: Triton kernels on a GPU when Triton imports; on a
+    CPU the references plus the AVX512-BF16 decode GEMV when this CPU and compiler
+    allow it (it falls back to torch by itself otherwise). `use_triton` forces the choice."""
     if use_triton is None:
         use_triton = device.type == "cuda"
     if not use_triton:
+        if device.type == "cpu":
+            from keepwarm.kernels import cpu_linear
+
+            if cpu_linear.available():  # builds the extension once, here, not on the first decode
+                return replace(TORCH_OPS, name="torch+cpu_linear", linear=cpu_linear.linear)
         return TORCH_OPS
     try:
         from keepwarm.kernels import triton_ops

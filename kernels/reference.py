@@ -7,10 +7,9 @@ import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Computed in float32 and cast back, as transformers' Llama/Qwen RMSNorm does.
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    # Computed in float32 and cast back, as transformers' Llama/Qwen RMSNorm does
+    # (x * rsqrt(mean(x^2) + eps), then weight * result in x's dtype); fused by torch.
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -42,7 +41,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     hq, hkv = q.shape[0], k.shape[1]
     g = hq // hkv
-    qg = q.view(hkv, g, -1).float()  # [Hkv, G, D]
+    qg = q.reshape(hkv, g, -1).float()  # [Hkv, G, D]
     scores = torch.einsum("hgd,shd->hgs", qg, k.float()) * scale
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("hgs,shd->hgd", probs, v.float())

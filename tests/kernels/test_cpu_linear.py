@@ -8,16 +8,23 @@ the fallback tests run everywhere, and on a CPU without the feature assert avail
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+
 from keepwarm.kernels import cpu_linear
 from keepwarm.kernels.cpu_linear import REQUIRED_FLAGS, CpuLinear
 
+# The kernel is expected exactly where the CPU has the feature (and nobody switched it off).
 HAS_FEATURE = cpu_linear.cpu_supports_kernel(cpu_linear.cpu_flags())
-needs_kernel = pytest.mark.skipif(not HAS_FEATURE, reason="CPU lacks avx512_bf16: the kernel cannot run here")
+SWITCHED_OFF = os.environ.get("KEEPWARM_CPU_LINEAR", "1") == "0"
+needs_kernel = pytest.mark.skipif(
+    not HAS_FEATURE or SWITCHED_OFF,
+    reason="CPU lacks avx512_bf16 (or KEEPWARM_CPU_LINEAR=0): the kernel cannot run",
+)
 
 BF16 = torch.bfloat16
 
@@ -46,7 +53,7 @@ def kernel() -> CpuLinear:
 
 
 def test_available_follows_the_cpu() -> None:
-    assert cpu_linear.available() is HAS_FEATURE
+    assert cpu_linear.available() is (HAS_FEATURE and not SWITCHED_OFF)
 
 
 def test_cpu_flags_parse_a_cpuinfo_file(tmp_path: Path) -> None:
@@ -62,7 +69,10 @@ def test_cpu_flags_parse_a_cpuinfo_file(tmp_path: Path) -> None:
     assert cpu_linear.cpu_flags(tmp_path / "missing") == frozenset()
 
 
-def test_cpu_without_the_feature_falls_back(caplog: pytest.LogCaptureFixture) -> None:
+def test_cpu_without_the_feature_falls_back(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KEEPWARM_CPU_LINEAR", raising=False)
     with caplog.at_level(logging.INFO, logger="keepwarm.kernels.cpu_linear"):
         k = cpu_linear.load(flags=frozenset({"avx512f", "avx512bw", "avx512vl"}))
     assert not k.available()
@@ -73,12 +83,18 @@ def test_cpu_without_the_feature_falls_back(caplog: pytest.LogCaptureFixture) ->
     assert torch.equal(k(x, w, b), F.linear(x, w, b))
 
 
-def test_failed_build_falls_back(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_failed_build_falls_back(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KEEPWARM_CPU_LINEAR", raising=False)
     bad = tmp_path / "broken.cpp"
     bad.write_text('#error "this source does not compile"\n')
     with caplog.at_level(logging.WARNING, logger="keepwarm.kernels.cpu_linear"):
         k = cpu_linear.load(
-            source=bad, name="keepwarm_cpu_linear_broken", flags=frozenset(REQUIRED_FLAGS), build_dir=tmp_path / "build"
+            source=bad,
+            name="keepwarm_cpu_linear_broken",
+            flags=frozenset(REQUIRED_FLAGS),
+            build_dir=tmp_path / "build",
         )
     assert not k.available()
     assert "building" in caplog.text and "failed" in caplog.text
@@ -101,7 +117,9 @@ def test_unavailable_kernel_keeps_torch_results_for_every_shape() -> None:
         assert torch.equal(k(x, w, b), F.linear(x, w, b))
     x32, w32 = torch.randn(1, 16, generator=g), torch.randn(4, 16, generator=g)
     assert torch.equal(k(x32, w32), F.linear(x32, w32))
-    assert k(x32, w32, out_dtype=torch.float64).dtype == torch.float64
+    assert k(x32, w32, out_dtype=torch.float32).dtype == torch.float32
+    with pytest.raises(ValueError, match="out_dtype must be"):
+        k(x32, w32, out_dtype=torch.float64)
 
 
 # --- routing -----------------------------------------------------------------------------
@@ -238,6 +256,32 @@ def test_shapes_and_non_contiguous_x(kernel: CpuLinear) -> None:
 
 
 @needs_kernel
+def test_weight_views_with_an_offset_and_strided_bias(kernel: CpuLinear) -> None:
+    """A row slice of a fused weight is contiguous with a storage offset: the kernel reads
+    from the slice's start. A strided bias is made contiguous."""
+    g = _gen(14)
+    fused, x = _rand((300, 160), g, scale=0.1), _rand((2, 160), g)
+    part = fused[100:217]
+    assert part.is_contiguous() and part.storage_offset() == 100 * 160
+    b_base = _rand((234,), g)
+    b = b_base[::2]
+    assert kernel.uses_kernel(x, part, b)
+    y = kernel(x, part, b)
+    assert torch.equal(y, kernel(x, part.clone(), b.contiguous()))
+    torch.testing.assert_close(y.float(), F.linear(x, part, b).float(), rtol=1e-2, atol=1e-2)
+
+
+@needs_kernel
+def test_autograd_inputs_keep_torch_and_its_graph(kernel: CpuLinear) -> None:
+    g = _gen(15)
+    x, w = _rand((1, 64), g), _rand((8, 64), g).requires_grad_(True)
+    y = kernel(x, w)
+    assert y.requires_grad and y.grad_fn is not None
+    y.float().sum().backward()
+    assert w.grad is not None and torch.equal(w.grad, x.expand(8, 64))
+
+
+@needs_kernel
 def test_thread_count_does_not_change_results(kernel: CpuLinear) -> None:
     """Each output row is computed by one thread in one fixed order, so the split over
     threads cannot change a bit."""
@@ -260,3 +304,4 @@ def test_module_level_linear_is_the_kernel(kernel: CpuLinear) -> None:
     x, w = _rand((1, 1024), g), _rand((64, 1024), g)
     assert torch.equal(cpu_linear.linear(x, w), kernel(x, w))
     assert cpu_linear.default() is kernel
+    assert kernel.ext is not None and kernel.ext.MAX_TOKENS == cpu_linear.MAX_TOKENS

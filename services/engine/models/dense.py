@@ -165,7 +165,7 @@ class DenseBackend:
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         for i, layer in enumerate(self.layers):
             h = ops.rms_norm(x, layer.input_norm, c.rms_norm_eps)
-            q, k, v = F.linear(h, layer.w_qkv, layer.b_qkv).split([q_size, kv_size, kv_size], dim=-1)
+            q, k, v = ops.linear(h, layer.w_qkv, layer.b_qkv).split([q_size, kv_size, kv_size], dim=-1)
             q = q.view(t, c.num_heads, c.head_dim)
             k = k.view(t, c.num_kv_heads, c.head_dim)
             if layer.q_norm is not None and layer.k_norm is not None:
@@ -180,13 +180,13 @@ class DenseBackend:
                 attn = ops.decode_attention(q[0], k_cache[:end], v_cache[:end], self.scale).unsqueeze(0)
             else:
                 attn = ops.prefill_attention(q, k_cache[:end], v_cache[:end], self.scale)
-            x = x + F.linear(attn.reshape(t, q_size), layer.w_o, layer.b_o)
+            x = x + ops.linear(attn.reshape(t, q_size), layer.w_o, layer.b_o)
             h = ops.rms_norm(x, layer.post_norm, c.rms_norm_eps)
-            gate, up = F.linear(h, layer.w_gate_up, layer.b_gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.w_down, layer.b_down)
+            gate, up = ops.linear(h, layer.w_gate_up, layer.b_gate_up).chunk(2, dim=-1)
+            x = x + ops.linear(F.silu(gate) * up, layer.w_down, layer.b_down)
         if not all_logits:
             x = x[-1:]
-        logits = F.linear(ops.rms_norm(x, self.final_norm, c.rms_norm_eps), self.lm_head).float()
+        logits = ops.linear(ops.rms_norm(x, self.final_norm, c.rms_norm_eps), self.lm_head).float()
         state.position = end
         state.logits = logits[-1]
         return logits

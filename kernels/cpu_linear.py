@@ -1,0 +1,162 @@
+"""A fast CPU bf16 matrix-vector product for decode, with torch as the fallback.
+
+Decode multiplies 1..few token rows by every weight matrix; torch's bf16 GEMM at M=1 reads
+weights far below DRAM bandwidth. `linear(x, weight, bias)` is a drop-in for
+`torch.nn.functional.linear` that routes the decode shape to a C++ AVX512-BF16 kernel
+(kernels/csrc/cpu_linear.cpp) and everything else to torch:
+
+  fast path when: the extension loaded (CPU has avx512_bf16 and the build succeeded),
+  x and weight are bf16 on CPU, weight is contiguous [N, K], x has <= MAX_TOKENS rows
+  (all leading dims flattened), bias is None or a [N] bf16 CPU tensor, and no
+  autograd graph is being recorded through x, weight or bias.
+
+The extension is compiled at first use with torch.utils.cpp_extension (needs a C++ compiler
+and `ninja`; the build is cached under torch's extension folder). Any failure logs one
+warning and leaves `available()` False: the engine then runs on torch alone.
+Set KEEPWARM_CPU_LINEAR=0 to keep the kernel off.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_linear.cpp"
+EXTENSION_NAME = "keepwarm_cpu_linear"
+MAX_TOKENS = 4  # the kernel is instantiated for M = 1..4 token rows (kMaxTokens in C++)
+REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+# Explicit ISA flags rather than -march=native: a cached build must not use instructions the
+# runtime check did not verify.
+CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp")
+# torch ships libgomp.so.1 and has it loaded already; linking against the same soname makes
+# the kernel share torch's OpenMP pool (and its thread count) instead of starting a second.
+LDFLAGS = ("-fopenmp",)
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The CPU's feature flags (the first `flags` line of cpuinfo); empty when unreadable."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def cpu_supports_kernel(flags: frozenset[str]) -> bool:
+    return all(f in flags for f in REQUIRED_FLAGS)
+
+
+def build_extension(
+    source: Path = SOURCE, name: str = EXTENSION_NAME, build_dir: Path | None = None, verbose: bool = False
+) -> ModuleType:
+    """Compile (or load the cached build of) the C++ kernel. Raises on any build error.
+    `build_dir` None is torch's extension cache (~/.cache/torch_extensions or
+    $TORCH_EXTENSIONS_DIR)."""
+    from torch.utils import cpp_extension
+
+    if build_dir is not None:
+        build_dir.mkdir(parents=True, exist_ok=True)
+    return cpp_extension.load(
+        name=name,
+        sources=[str(source)],
+        extra_cflags=list(CFLAGS),
+        extra_ldflags=list(LDFLAGS),
+        build_directory=None if build_dir is None else str(build_dir),
+        verbose=verbose,
+    )
+
+
+@dataclass(frozen=True)
+class CpuLinear:
+    """`linear` bound to one loaded extension (or none: then it is torch's F.linear)."""
+
+    ext: ModuleType | None
+
+    def available(self) -> bool:
+        return self.ext is not None
+
+    def uses_kernel(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+        """Whether `linear(x, weight, bias)` runs the C++ kernel (else torch). The rules live
+        in the C++ `eligible` (one source of truth, checked in ~1 us per call)."""
+        return self.ext is not None and bool(self.ext.eligible(x, weight, bias))
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """F.linear(x, weight, bias): x [..., K], weight [N, K], bias [N] -> [..., N].
+
+        `out_dtype=torch.float32` returns the kernel's fp32 sums unrounded (on the fallback,
+        torch's result cast to fp32); None keeps torch's result dtype (bf16 for bf16 inputs)."""
+        if out_dtype is not None and out_dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"out_dtype must be None, torch.bfloat16 or torch.float32, not {out_dtype}")
+        if self.ext is not None:
+            y = self.ext.try_linear(x, weight, bias, out_dtype == torch.float32)
+            if y is not None:
+                return y
+        y = F.linear(x, weight, bias)
+        return y if out_dtype is None else y.to(out_dtype)
+
+
+def load(
+    source: Path = SOURCE,
+    name: str = EXTENSION_NAME,
+    flags: frozenset[str] | None = None,
+    build_dir: Path | None = None,
+) -> CpuLinear:
+    """Build and load the kernel; never raises. Without the CPU features, or when the build
+    fails, or with KEEPWARM_CPU_LINEAR=0, the result falls back to torch (and says why in
+    one log line)."""
+    if os.environ.get("KEEPWARM_CPU_LINEAR", "1") == "0":
+        log.info("cpu_linear: disabled by KEEPWARM_CPU_LINEAR=0; using torch F.linear")
+        return CpuLinear(None)
+    flags = cpu_flags() if flags is None else flags
+    if not cpu_supports_kernel(flags):
+        missing = [f for f in REQUIRED_FLAGS if f not in flags]
+        log.info("cpu_linear: CPU lacks %s; using torch F.linear", ", ".join(missing))
+        return CpuLinear(None)
+    try:
+        ext = build_extension(source, name, build_dir)
+    except Exception as e:  # any build/load failure must leave the engine on torch
+        log.warning(
+            "cpu_linear: building %s failed (%s: %s); using torch F.linear", source, type(e).__name__, e
+        )
+        return CpuLinear(None)
+    return CpuLinear(ext)
+
+
+@functools.cache
+def default() -> CpuLinear:
+    """The process's kernel, built once on first use (the compiled module is per-process
+    state anyway: a Python extension loads once)."""
+    return load()
+
+
+def available() -> bool:
+    """True when the C++ kernel is loaded and `linear` uses it for decode shapes."""
+    return default().available()
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Drop-in for F.linear(x, weight, bias); the AVX512-BF16 kernel for bf16 decode shapes."""
+    return default()(x, weight, bias, out_dtype)
