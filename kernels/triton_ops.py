@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from keepwarm.kernels.ops import Ops
 
 # Smallest tile side tl.dot accepts on a GPU; head dims and query groups are padded up to it.

@@ -43,7 +43,9 @@ def _prompt_tokens(vocab: int, n: int) -> list[int]:
     return torch.randint(10, vocab - 10, (n,), generator=g).tolist()
 
 
-def bench_engine(model: Path, dtype: torch.dtype, prefill_tokens: int, decode_tokens: int, chunk: int) -> dict[str, Any]:
+def bench_engine(
+    model: Path, dtype: torch.dtype, prefill_tokens: int, decode_tokens: int, chunk: int
+) -> dict[str, Any]:
     from keepwarm.engine.checkpoint import open_checkpoint
     from keepwarm.engine.models import build_backend
     from keepwarm.engine.runner import Runner
@@ -112,7 +114,9 @@ def _tensors(obj: object, depth: int = 0) -> list[torch.Tensor]:
     return []
 
 
-def _bench_transformers(model: Path, dtype: torch.dtype, toks: list[int], decode_tokens: int) -> tuple[float, float]:
+def _bench_transformers(
+    model: Path, dtype: torch.dtype, toks: list[int], decode_tokens: int
+) -> tuple[float, float]:
     import transformers
 
     ref = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval()
@@ -177,16 +181,27 @@ def _req(msgs: list[dict[str, str]], max_tokens: int = 16) -> Any:
     from keepwarm.engine.request import GenerateRequest
     from keepwarm.engine.sampling import SamplingParams
 
-    return GenerateRequest(sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True), messages=tuple(msgs))
+    return GenerateRequest(
+        sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True), messages=tuple(msgs)
+    )
 
 
 def bench_cache(model: Path, dtype: str, prompt_tokens: int, threads: int) -> dict[str, Any]:
     from keepwarm.engine.config import EngineConfig
     from keepwarm.engine.engine import Engine
 
-    with tempfile.TemporaryDirectory(prefix="keepwarm-bench-", dir=os.environ.get("KEEPWARM_BENCH_TMP")) as tmp:
-        cfg = EngineConfig(model=model, dtype=dtype, num_threads=threads, cache_dir=Path(tmp),
-                           max_context=prompt_tokens + 64, min_tokens=16, fsync=True).validate()
+    with tempfile.TemporaryDirectory(
+        prefix="keepwarm-bench-", dir=os.environ.get("KEEPWARM_BENCH_TMP")
+    ) as tmp:
+        cfg = EngineConfig(
+            model=model,
+            dtype=dtype,
+            num_threads=threads,
+            cache_dir=Path(tmp),
+            max_context=prompt_tokens + 64,
+            min_tokens=16,
+            fsync=True,
+        ).validate()
         engine = Engine(cfg)
         try:
             msgs = _long_messages(engine, prompt_tokens)

@@ -33,7 +33,9 @@ def wait_http(url: str, proc: subprocess.Popen[bytes], what: str, timeout: float
     last_note = t0
     while time.monotonic() - t0 < timeout:
         if proc.poll() is not None:
-            raise SystemExit(f"{what} exited with code {proc.returncode} while starting (see its output above)")
+            raise SystemExit(
+                f"{what} exited with code {proc.returncode} while starting (see its output above)"
+            )
         try:
             with urllib.request.urlopen(url, timeout=2) as r:
                 if r.status == 200:
@@ -76,7 +78,9 @@ def main() -> int:
     api_key = state_file(state_dir, "api-key", None)
     secret = state_file(state_dir, "secret", os.environ.get("KEEPWARM_SECRET"))
     env = {**os.environ, "KEEPWARM_SECRET": secret, "PYTHONUNBUFFERED": "1"}
-    env["KEEPWARM_API_KEYS"] = ",".join(filter(None, [os.environ.get("KEEPWARM_API_KEYS"), f"{api_key}:local"]))
+    env["KEEPWARM_API_KEYS"] = ",".join(
+        filter(None, [os.environ.get("KEEPWARM_API_KEYS"), f"{api_key}:local"])
+    )
     py = sys.executable
     procs: list[tuple[str, subprocess.Popen[bytes]]] = []
 
@@ -111,20 +115,59 @@ def main() -> int:
 
         ep = free_port(a.engine_port)
         print(f"starting the engine on {a.model} ({a.dtype}) ...", flush=True)
-        engine = spawn("engine", [py, "-m", "keepwarm.engine", "serve", "--model", str(a.model), "--port", str(ep),
-                                  "--dtype", a.dtype, "--cache-dir", str(cache_dir)])
+        engine = spawn(
+            "engine",
+            [
+                py,
+                "-m",
+                "keepwarm.engine",
+                "serve",
+                "--model",
+                str(a.model),
+                "--port",
+                str(ep),
+                "--dtype",
+                a.dtype,
+                "--cache-dir",
+                str(cache_dir),
+            ],
+        )
         wait_http(f"http://127.0.0.1:{ep}/health", engine, "the engine", 900)
 
         gp = free_port(a.gateway_port)
-        gateway = spawn("gateway", [py, "-m", "keepwarm.api", "--engine", f"http://127.0.0.1:{ep}",
-                                    "--redis-url", redis_url, "--port", str(gp)])
+        gateway = spawn(
+            "gateway",
+            [
+                py,
+                "-m",
+                "keepwarm.api",
+                "--engine",
+                f"http://127.0.0.1:{ep}",
+                "--redis-url",
+                redis_url,
+                "--port",
+                str(gp),
+            ],
+        )
         wait_http(f"http://127.0.0.1:{gp}/health", gateway, "the gateway", 120)
 
         dp = None
         if not a.no_dashboard:
             dp = free_port(a.dashboard_port)
-            dash = spawn("dashboard", [py, "-m", "keepwarm.ui", "--gateway", f"http://127.0.0.1:{gp}",
-                                       "--api-key", api_key, "--port", str(dp)])
+            dash = spawn(
+                "dashboard",
+                [
+                    py,
+                    "-m",
+                    "keepwarm.ui",
+                    "--gateway",
+                    f"http://127.0.0.1:{gp}",
+                    "--api-key",
+                    api_key,
+                    "--port",
+                    str(dp),
+                ],
+            )
             wait_http(f"http://127.0.0.1:{dp}/_stcore/health", dash, "the dashboard", 120)
 
         print(f"gateway: http://127.0.0.1:{gp}")
@@ -133,10 +176,13 @@ def main() -> int:
         print(f"api key: {api_key}")
         print(f"(up in {time.monotonic() - t_start:.1f} s; disk cache {cache_dir}; Ctrl-C stops everything)")
         print("try:")
-        print(f"  curl -s http://127.0.0.1:{gp}/v1/chat/completions -H 'Authorization: Bearer {api_key}' \\\n"
-              f"    -H 'Content-Type: application/json' -H 'X-Session-Id: demo' \\\n"
-              "    -d '{\"model\": \"keepwarm\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}], "
-              "\"max_tokens\": 32}'", flush=True)
+        print(
+            f"  curl -s http://127.0.0.1:{gp}/v1/chat/completions -H 'Authorization: Bearer {api_key}' \\\n"
+            f"    -H 'Content-Type: application/json' -H 'X-Session-Id: demo' \\\n"
+            '    -d \'{"model": "keepwarm", "messages": [{"role": "user", "content": "Hello!"}], '
+            '"max_tokens": 32}\'',
+            flush=True,
+        )
         while True:
             for name, proc in procs:
                 if proc.poll() is not None:

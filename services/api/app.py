@@ -509,8 +509,9 @@ def create_app(config: GatewayConfig) -> Litestar:
         caller = caller_of(request)
         admins = gw.config.admin_tenants
         if admins and caller.tenant not in admins:
-            raise ApiError(403, f"tenant {caller.tenant!r} may not clear the cache; "
-                                "KEEPWARM_ADMIN_TENANTS lists who may")
+            raise ApiError(
+                403, f"tenant {caller.tenant!r} may not clear the cache; KEEPWARM_ADMIN_TENANTS lists who may"
+            )
         return await gw.clear_cache()
 
     return Litestar(

@@ -164,8 +164,11 @@ def config_from(args: argparse.Namespace, env: Mapping[str, str] | None = None) 
         max_body_bytes=int(number(args.max_body_bytes, "KEEPWARM_MAX_BODY_BYTES", 1024 * 1024, int)),
         session_ttl_s=int(number(args.session_ttl, "KEEPWARM_SESSION_TTL", 7 * 24 * 3600, int)),
         health_interval_s=number(args.health_interval, "KEEPWARM_HEALTH_INTERVAL", 2.0, float),
-        admin_tenants=tuple(t.strip() for t in (pick(args.admin_tenants, "KEEPWARM_ADMIN_TENANTS") or "").split(",")
-                            if t.strip()),
+        admin_tenants=tuple(
+            t.strip()
+            for t in (pick(args.admin_tenants, "KEEPWARM_ADMIN_TENANTS") or "").split(",")
+            if t.strip()
+        ),
     ).validate()
 
 

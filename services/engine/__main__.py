@@ -26,8 +26,9 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _sampling(a: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-                          seed=a.seed)
+    return SamplingParams(
+        max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed
+    )
 
 
 def _print_timings(ev: object) -> None:
@@ -59,15 +60,20 @@ def _stream(engine: object, req: object) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m keepwarm.engine", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m keepwarm.engine",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete one prompt (rendered as a user message)")
     add_engine_args(gen)
     _sampling_args(gen)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--system", default=None)
-    gen.add_argument("--raw", action="store_true", help="tokenize the prompt as is, without the chat template")
+    gen.add_argument(
+        "--raw", action="store_true", help="tokenize the prompt as is, without the chat template"
+    )
     chat = sub.add_parser("chat", help="interactive chat; empty line or Ctrl-D quits")
     add_engine_args(chat)
     _sampling_args(chat)
@@ -100,10 +106,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "generate":
             if args.raw:
-                req = GenerateRequest(sampling=_sampling(args), prompt_tokens=tuple(engine.tokenizer.encode(args.prompt)))
+                req = GenerateRequest(
+                    sampling=_sampling(args), prompt_tokens=tuple(engine.tokenizer.encode(args.prompt))
+                )
             else:
                 msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [
-                    {"role": "user", "content": args.prompt}]
+                    {"role": "user", "content": args.prompt}
+                ]
                 req = GenerateRequest(sampling=_sampling(args), messages=tuple(msgs))
             _stream(engine, req)
             print()

@@ -94,7 +94,9 @@ def _index_weights(root: Path) -> dict[str, Path]:
         return out
     files = sorted(root.glob("*.safetensors"))
     if not files:
-        raise CheckpointError(f"{root}: no model.safetensors (or *.safetensors with model.safetensors.index.json)")
+        raise CheckpointError(
+            f"{root}: no model.safetensors (or *.safetensors with model.safetensors.index.json)"
+        )
     out = {}
     for f in files:
         try:

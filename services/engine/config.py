@@ -13,8 +13,14 @@ import torch
 
 from keepwarm.engine.policy import Policy, parse_policy
 
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 class ConfigError(ValueError):
@@ -81,7 +87,9 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype {self.dtype!r}: use one of {', '.join(sorted(DTYPES))}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ConfigError(f"--device {self.device!r}: use cpu or cuda[:N] (ROCm builds of torch report cuda)")
+            raise ConfigError(
+                f"--device {self.device!r}: use cpu or cuda[:N] (ROCm builds of torch report cuda)"
+            )
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"--device {self.device}: torch sees no GPU here; use --device cpu")
         for name in ("max_context", "chunk_size", "writer_queue", "queue_size", "max_tokens_limit"):
@@ -123,12 +131,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     for f in fields(EngineConfig):
         if f.name == "model":
             continue
-        p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None,
-                       help=f"(env {_ENV_PREFIX}{f.name.upper()}; default {f.default})")
+        p.add_argument(
+            "--" + f.name.replace("_", "-"),
+            dest=f.name,
+            default=None,
+            help=f"(env {_ENV_PREFIX}{f.name.upper()}; default {f.default})",
+        )
 
 
-def config_from(args: argparse.Namespace | None = None, env: Mapping[str, str] | None = None,
-                cache_dir_default: bool = True) -> EngineConfig:
+def config_from(
+    args: argparse.Namespace | None = None,
+    env: Mapping[str, str] | None = None,
+    cache_dir_default: bool = True,
+) -> EngineConfig:
     """Flags override env, env overrides defaults. Without a cache dir flag or env the
     disk tier lives under the user's cache dir (`cache_dir_default`)."""
     env = os.environ if env is None else env

@@ -38,6 +38,8 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
+from keepwarm.engine.snapshot_file import fsync_dir
+
 CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -304,14 +306,6 @@ def _write_json(path: Path, obj: dict[str, Any]) -> None:
     _write(path, (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode("utf-8"))
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_demo_files(out: Path, family: str, seed: int, size: str) -> dict[str, Any]:
     """Write every file of the demo checkpoint into the existing empty folder `out`;
     returns the config written. Not atomic by itself (see `make_demo_model`)."""
@@ -377,13 +371,13 @@ def make_demo_model(
     tmp.mkdir()
     try:
         write_demo_files(tmp, family, seed, size)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         old = None
         if dest.exists():
             old = dest.parent / f"{dest.name}.old-{os.getpid()}"
             os.rename(dest, old)
         os.rename(tmp, dest)
-        _fsync_dir(dest.parent)
+        fsync_dir(dest.parent)
         if old is not None:
             shutil.rmtree(old)
     except BaseException:

@@ -65,8 +65,8 @@ from pathlib import Path
 from keepwarm.engine.snapshot import Snapshot
 from keepwarm.engine.snapshot_file import (
     SUFFIX,
-    Alloc,
     TMP_SUFFIX,
+    Alloc,
     SnapshotFileError,
     encode_snapshot,
     publish,
@@ -443,7 +443,11 @@ class DiskCache:
         return True
 
     def load(
-        self, key: str, tokens: Sequence[int], validate: Callable[[Snapshot], None], alloc: Alloc | None = None
+        self,
+        key: str,
+        tokens: Sequence[int],
+        validate: Callable[[Snapshot], None],
+        alloc: Alloc | None = None,
     ) -> Snapshot | None:
         """The verified snapshot stored under `key` for exactly `tokens`, or None.
 
@@ -459,7 +463,9 @@ class DiskCache:
         try:
             t0 = time.perf_counter()
             try:
-                snapshot, _ = read_snapshot(path, namespace=self.namespace, tokens=tokens, key=key, alloc=alloc)
+                snapshot, _ = read_snapshot(
+                    path, namespace=self.namespace, tokens=tokens, key=key, alloc=alloc
+                )
             except FileNotFoundError:
                 with self._lock:
                     self._entries.pop(path, None)

@@ -12,6 +12,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 import torch
 
@@ -33,7 +34,7 @@ from keepwarm.engine.snapshot_file import FORMAT_VERSION
 from keepwarm.engine.tokenizer import Tokenizer
 from keepwarm.kernels.ops import ops_for
 
-Event = TokenEvent | FinishEvent
+Event: TypeAlias = TokenEvent | FinishEvent
 
 
 @dataclass
@@ -70,7 +71,9 @@ class Engine:
         self.ckpt = open_checkpoint(cfg.model)
         self.tokenizer = Tokenizer.from_dir(cfg.model)
         self.template = ChatTemplate.from_dir(cfg.model, self.tokenizer)
-        self.backend = build_backend(self.ckpt, self.device, cfg.torch_dtype, ops_for(self.device, cfg.use_triton))
+        self.backend = build_backend(
+            self.ckpt, self.device, cfg.torch_dtype, ops_for(self.device, cfg.use_triton)
+        )
         self.runner = Runner(self.backend, cfg.chunk_size)
         fingerprint_cache = cfg.cache_dir / "fingerprints.json" if cfg.cache_dir else None
         self.namespace = namespace_id(
@@ -114,14 +117,20 @@ class Engine:
             tokens, boundaries = list(req.prompt_tokens), []
         elif req.messages:
             try:
-                chat = self.template.encode_chat(list(req.messages), add_generation_prompt=True,
-                                                 tools=list(req.tools) if req.tools else None)
+                chat = self.template.encode_chat(
+                    list(req.messages),
+                    add_generation_prompt=True,
+                    tools=list(req.tools) if req.tools else None,
+                )
             except ValueError as e:
-                raise RequestError(f"messages could not be rendered by the model's chat template: {e}",
-                                   param="messages") from e
+                raise RequestError(
+                    f"messages could not be rendered by the model's chat template: {e}", param="messages"
+                ) from e
             tokens, boundaries = list(chat.tokens), list(chat.boundaries)
         else:
-            raise RequestError("messages must be a non-empty list of {role, content} objects", param="messages")
+            raise RequestError(
+                "messages must be a non-empty list of {role, content} objects", param="messages"
+            )
         if not tokens:
             raise RequestError("the prompt is empty", param="messages")
         limit = self.cfg.max_context - 1
@@ -129,7 +138,8 @@ class Engine:
             raise RequestError(
                 f"the prompt has {len(tokens)} tokens; this engine accepts at most {limit} "
                 f"(max_context {self.cfg.max_context}): shorten the conversation",
-                status=413, param="messages",
+                status=413,
+                param="messages",
             )
         return Prompt(tokens, boundaries)
 
@@ -155,7 +165,10 @@ class Engine:
 
     # -- the request -------------------------------------------------------------
     def generate(
-        self, req: GenerateRequest, should_stop: Callable[[], bool] = lambda: False, prompt: Prompt | None = None
+        self,
+        req: GenerateRequest,
+        should_stop: Callable[[], bool] = lambda: False,
+        prompt: Prompt | None = None,
     ) -> Iterator[Event]:
         with self.lock:
             yield from self._generate(req, should_stop, prompt)
@@ -165,7 +178,11 @@ class Engine:
             return None, None
         self.stats.lookups += 1
         lengths = candidate_lengths(
-            len(prompt.tokens), prompt.boundaries, self.cache.known_lengths(), req.session_hint, self.cfg.min_tokens
+            len(prompt.tokens),
+            prompt.boundaries,
+            self.cache.known_lengths(),
+            req.session_hint,
+            self.cfg.min_tokens,
         )
         restore_target = getattr(self.backend, "restore_target", None)  # optional backend capability
         if restore_target is not None and self.spare is None:
@@ -200,10 +217,9 @@ class Engine:
             t_r = time.perf_counter()
             try:
                 state = self.backend.adopt(hit.snapshot, self.cfg.max_context, into=self.spare)
+                restore_s = hit.seconds + (time.perf_counter() - t_r)
             except ValueError:
                 state = None  # a mismatch the tier did not catch: treat as a miss
-                hit = None
-            restore_s = hit.seconds + (time.perf_counter() - t_r)
         if state is None:
             hit = None
             state = self.backend.new_state(self.cfg.max_context)
@@ -232,7 +248,9 @@ class Engine:
         # -- decode ------------------------------------------------------------
         sampler = Sampler(params)
         stream = self.tokenizer.stream_decoder()
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.tokenizer.eos_token_ids))
+        stop_ids = set(params.stop_token_ids) | (
+            set() if params.ignore_eos else set(self.tokenizer.eos_token_ids)
+        )
         max_new = min(params.max_tokens, self.cfg.max_context - len(tokens))
         generated: list[int] = []
         text = ""
@@ -278,8 +296,21 @@ class Engine:
         covered = tokens + generated
         continued = policy.mode == "full" and generated and finish != "cancelled"
         key = self.cache.key(salt, covered) if continued else None
-        yield self._finish(finish, text, prompt, len(generated), hit, restore_s, prefill_s, decode_s, t0,
-                           diverged, ttft, key, len(covered) if key else 0)
+        yield self._finish(
+            finish,
+            text,
+            prompt,
+            len(generated),
+            hit,
+            restore_s,
+            prefill_s,
+            decode_s,
+            t0,
+            diverged,
+            ttft,
+            key,
+            len(covered) if key else 0,
+        )
 
         # Continued checkpoint, after the reply is out: feed the last token so the
         # state covers prompt + reply, keyed by exactly those tokens.
@@ -292,9 +323,20 @@ class Engine:
         self.spare = state
 
     def _finish(
-        self, reason: str, text: str, prompt: Prompt, num_generated: int, hit: Hit | None, restore_s: float,
-        prefill_s: float, decode_s: float, t0: float, diverged: int | None, ttft: float | None = None,
-        key: str | None = None, key_tokens: int = 0,
+        self,
+        reason: str,
+        text: str,
+        prompt: Prompt,
+        num_generated: int,
+        hit: Hit | None,
+        restore_s: float,
+        prefill_s: float,
+        decode_s: float,
+        t0: float,
+        diverged: int | None,
+        ttft: float | None = None,
+        key: str | None = None,
+        key_tokens: int = 0,
     ) -> FinishEvent:
         restored = hit.snapshot.position if hit else 0
         saved_s = 0.0
@@ -323,7 +365,9 @@ class Engine:
             decode_tokens_per_sec=(num_generated / decode_s) if decode_s > 0 else 0.0,
             diverged_at=diverged,
         )
-        return FinishEvent(reason, text, len(prompt.tokens), num_generated, restored, timings, key, key_tokens)
+        return FinishEvent(
+            reason, text, len(prompt.tokens), num_generated, restored, timings, key, key_tokens
+        )
 
     # -- conveniences ------------------------------------------------------------
     def complete(self, req: GenerateRequest) -> FinishEvent:

@@ -19,7 +19,9 @@ def _number(body: dict[str, Any], name: str, kind: type, default: Any) -> Any:
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not isinstance(v, int)):
-        raise RequestError(f"{name} must be {'an integer' if kind is int else 'a number'}, got {v!r}", param=name)
+        raise RequestError(
+            f"{name} must be {'an integer' if kind is int else 'a number'}, got {v!r}", param=name
+        )
     return kind(v)
 
 
@@ -31,9 +33,16 @@ def _content_text(content: Any, where: str) -> str:
     if isinstance(content, list):
         parts = []
         for i, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise RequestError(f"{where}.content[{i}] must be {{'type': 'text', 'text': str}} "
-                                   "(only text parts are supported)", param=f"{where}.content")
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                raise RequestError(
+                    f"{where}.content[{i}] must be {{'type': 'text', 'text': str}} "
+                    "(only text parts are supported)",
+                    param=f"{where}.content",
+                )
             parts.append(part["text"])
         return "".join(parts)
     raise RequestError(f"{where}.content must be a string or a list of text parts", param=f"{where}.content")
@@ -49,7 +58,9 @@ def parse_messages(raw: Any) -> tuple[dict[str, Any], ...]:
             raise RequestError(f"{where} must be an object with role and content", param=where)
         role = m.get("role")
         if role not in ROLES:
-            raise RequestError(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", param=f"{where}.role")
+            raise RequestError(
+                f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", param=f"{where}.role"
+            )
         msg = {k: v for k, v in m.items() if k in ("name", "tool_calls", "tool_call_id")}
         msg["role"] = "system" if role == "developer" else role
         msg["content"] = _content_text(m.get("content"), where)
@@ -57,7 +68,9 @@ def parse_messages(raw: Any) -> tuple[dict[str, Any], ...]:
     return tuple(out)
 
 
-def parse_chat_request(body: Any, max_tokens_limit: int, default_policy: Any, trusted: bool = True) -> GenerateRequest:
+def parse_chat_request(
+    body: Any, max_tokens_limit: int, default_policy: Any, trusted: bool = True
+) -> GenerateRequest:
     """`trusted` is False for bodies that came from clients directly: cache_salt and
     session_hint are only honoured from the gateway."""
     if not isinstance(body, dict):
@@ -66,7 +79,9 @@ def parse_chat_request(body: Any, max_tokens_limit: int, default_policy: Any, tr
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", int, 256)
     if max_tokens < 1 or max_tokens > max_tokens_limit:
-        raise RequestError(f"max_tokens must be in 1..{max_tokens_limit}, got {max_tokens}", param="max_tokens")
+        raise RequestError(
+            f"max_tokens must be in 1..{max_tokens_limit}, got {max_tokens}", param="max_tokens"
+        )
     n = _number(body, "n", int, 1)
     if n != 1:
         raise RequestError("n must be 1 (one choice per request)", param="n")
@@ -106,15 +121,21 @@ def parse_chat_request(body: Any, max_tokens_limit: int, default_policy: Any, tr
         salt = salt_raw
         h = body.get("session_hint")
         if h is not None:
-            if not (isinstance(h, dict) and isinstance(h.get("key"), str) and isinstance(h.get("tokens"), int)):
+            if not (
+                isinstance(h, dict) and isinstance(h.get("key"), str) and isinstance(h.get("tokens"), int)
+            ):
                 raise RequestError("session_hint must be {key: str, tokens: int}", param="session_hint")
             hint = SessionHint(h["key"], h["tokens"])
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise RequestError("tools must be a list", param="tools")
     return GenerateRequest(
-        sampling=sampling, messages=messages, tools=tuple(tools) if tools else None, policy=policy,
-        cache_salt=salt, session_hint=hint,
+        sampling=sampling,
+        messages=messages,
+        tools=tuple(tools) if tools else None,
+        policy=policy,
+        cache_salt=salt,
+        session_hint=hint,
     )
 
 
@@ -138,14 +159,22 @@ def completion_body(rid: str, model: str, ev: FinishEvent, namespace: str) -> di
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": ev.text},
-                     "finish_reason": ev.finish_reason, "logprobs": None}],
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": ev.text},
+                "finish_reason": ev.finish_reason,
+                "logprobs": None,
+            }
+        ],
         "usage": usage_body(ev),
         "keepwarm": keepwarm_body(ev, namespace),
     }
 
 
-def chunk_body(rid: str, model: str, created: int, delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
+def chunk_body(
+    rid: str, model: str, created: int, delta: dict[str, Any], finish: str | None
+) -> dict[str, Any]:
     return {
         "id": rid,
         "object": "chat.completion.chunk",
@@ -156,6 +185,12 @@ def chunk_body(rid: str, model: str, created: int, delta: dict[str, Any], finish
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
-    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-            413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}.get(status, "server_error")
+    kind = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        404: "not_found_error",
+        413: "invalid_request_error",
+        429: "rate_limit_error",
+        503: "service_unavailable",
+    }.get(status, "server_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}

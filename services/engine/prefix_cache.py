@@ -106,16 +106,31 @@ class PrefixCache:
             if found is not None:
                 stored_tokens, snap = found
                 if stored_tokens == tokens:
-                    return Hit(key, len(tokens), snap, "memory", time.perf_counter() - t0, snap.num_bytes,
-                               tuple(tokens))
+                    return Hit(
+                        key,
+                        len(tokens),
+                        snap,
+                        "memory",
+                        time.perf_counter() - t0,
+                        snap.num_bytes,
+                        tuple(tokens),
+                    )
                 self.memory.remove(key)  # a hash collision or a stale entry: never adopt it
         if self.disk is not None and self.disk.contains(key):
             snap = self.disk.load(key, tokens, self.validate, alloc)
             if snap is not None:
                 if alloc is None:
                     self._remember(key, tokens, snap)
-                return Hit(key, len(tokens), snap, "disk", time.perf_counter() - t0, snap.num_bytes,
-                           tuple(tokens), aliased=alloc is not None)
+                return Hit(
+                    key,
+                    len(tokens),
+                    snap,
+                    "disk",
+                    time.perf_counter() - t0,
+                    snap.num_bytes,
+                    tuple(tokens),
+                    aliased=alloc is not None,
+                )
         return None
 
     def save(self, salt: str, tokens: Sequence[int], snapshot: Snapshot) -> str:

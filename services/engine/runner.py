@@ -42,7 +42,9 @@ class PrefillClock:
         if not self.sizes:
             return None
         i = bisect.bisect_left(self.sizes, num_tokens)
-        j = min(range(max(0, i - 1), min(len(self.sizes), i + 1)), key=lambda k: abs(self.sizes[k] - num_tokens))
+        j = min(
+            range(max(0, i - 1), min(len(self.sizes), i + 1)), key=lambda k: abs(self.sizes[k] - num_tokens)
+        )
         return self.seconds[j] * num_tokens / self.sizes[j]
 
 

@@ -44,7 +44,9 @@ class EngineCollector:
         s = self.engine.stats
         yield CounterMetricFamily("keepwarm_requests", "Generation requests", value=s.requests)
         yield CounterMetricFamily("keepwarm_prompt_tokens", "Prompt tokens", value=s.prompt_tokens)
-        cached = CounterMetricFamily("keepwarm_cached_prompt_tokens", "Prompt tokens restored", labels=["tier"])
+        cached = CounterMetricFamily(
+            "keepwarm_cached_prompt_tokens", "Prompt tokens restored", labels=["tier"]
+        )
         for tier, n in s.hit_tokens_by_tier.items():
             cached.add_metric([tier], n)
         yield cached
@@ -54,10 +56,17 @@ class EngineCollector:
         yield hits
         yield CounterMetricFamily("keepwarm_cache_lookups", "Prefix cache lookups", value=s.lookups)
         yield CounterMetricFamily("keepwarm_prefill_tokens", "Tokens prefilled", value=s.prefill_tokens)
-        yield CounterMetricFamily("keepwarm_prefill_seconds", "Time spent in prefill", value=s.prefill_seconds)
-        yield CounterMetricFamily("keepwarm_prefill_saved_seconds", "Cold prefill time minus restore time",
-                                  value=s.prefill_saved_seconds)
-        yield CounterMetricFamily("keepwarm_restore_seconds", "Time spent restoring snapshots", value=s.restore_seconds)
+        yield CounterMetricFamily(
+            "keepwarm_prefill_seconds", "Time spent in prefill", value=s.prefill_seconds
+        )
+        yield CounterMetricFamily(
+            "keepwarm_prefill_saved_seconds",
+            "Cold prefill time minus restore time",
+            value=s.prefill_saved_seconds,
+        )
+        yield CounterMetricFamily(
+            "keepwarm_restore_seconds", "Time spent restoring snapshots", value=s.restore_seconds
+        )
         yield CounterMetricFamily("keepwarm_restore_bytes", "Snapshot bytes restored", value=s.restore_bytes)
         yield CounterMetricFamily("keepwarm_completion_tokens", "Generated tokens", value=s.completion_tokens)
         yield CounterMetricFamily("keepwarm_snapshots_saved", "Snapshots taken", value=s.snapshots_saved)
@@ -67,18 +76,28 @@ class EngineCollector:
             ms = mem.stats()
             yield GaugeMetricFamily("keepwarm_memory_cache_entries", "RAM tier entries", value=ms.entries)
             yield GaugeMetricFamily("keepwarm_memory_cache_bytes", "RAM tier bytes", value=ms.bytes)
-            yield CounterMetricFamily("keepwarm_memory_cache_evictions", "RAM tier evictions", value=ms.evictions)
+            yield CounterMetricFamily(
+                "keepwarm_memory_cache_evictions", "RAM tier evictions", value=ms.evictions
+            )
         disk = self.engine.cache.disk
         if disk is not None:
             ds = disk.stats()
             yield GaugeMetricFamily("keepwarm_disk_cache_entries", "Disk tier entries", value=ds.num_entries)
-            yield GaugeMetricFamily("keepwarm_disk_cache_bytes", "Disk tier bytes (all namespaces)", value=ds.num_bytes)
-            yield CounterMetricFamily("keepwarm_disk_cache_evictions", "Disk tier evictions", value=ds.evictions)
+            yield GaugeMetricFamily(
+                "keepwarm_disk_cache_bytes", "Disk tier bytes (all namespaces)", value=ds.num_bytes
+            )
+            yield CounterMetricFamily(
+                "keepwarm_disk_cache_evictions", "Disk tier evictions", value=ds.evictions
+            )
             yield CounterMetricFamily("keepwarm_disk_cache_saves", "Disk tier files written", value=ds.saves)
-            yield CounterMetricFamily("keepwarm_disk_cache_dropped_saves", "Saves dropped (writer queue full)",
-                                      value=ds.dropped_saves)
-            rejected = CounterMetricFamily("keepwarm_disk_cache_rejected_files", "Files rejected and deleted",
-                                           labels=["reason"])
+            yield CounterMetricFamily(
+                "keepwarm_disk_cache_dropped_saves",
+                "Saves dropped (writer queue full)",
+                value=ds.dropped_saves,
+            )
+            rejected = CounterMetricFamily(
+                "keepwarm_disk_cache_rejected_files", "Files rejected and deleted", labels=["reason"]
+            )
             for reason, n in ds.rejected_by_reason.items():
                 rejected.add_metric([reason], n)
             yield rejected
@@ -91,8 +110,12 @@ def _sse(obj: dict[str, Any] | str) -> bytes:
 
 def create_app(engine: Engine, cfg: EngineConfig, keepalive_s: float = KEEPALIVE_S) -> Litestar:
     registry = CollectorRegistry()
-    ttft = Histogram("keepwarm_ttft_seconds", "Time to first token", registry=registry,
-                     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+    ttft = Histogram(
+        "keepwarm_ttft_seconds",
+        "Time to first token",
+        registry=registry,
+        buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+    )
 
     def observe(ev: Event) -> None:
         if isinstance(ev, FinishEvent):
@@ -106,13 +129,18 @@ def create_app(engine: Engine, cfg: EngineConfig, keepalive_s: float = KEEPALIVE
         if isinstance(e, RequestError):
             return Response(error_body(str(e), e.status, e.param), status_code=e.status)
         if isinstance(e, QueueFull):
-            return Response(error_body(f"the engine queue is full ({cfg.queue_size} requests); retry shortly",
-                                       429), status_code=429, headers={"Retry-After": "1"})
+            return Response(
+                error_body(f"the engine queue is full ({cfg.queue_size} requests); retry shortly", 429),
+                status_code=429,
+                headers={"Retry-After": "1"},
+            )
         return Response(error_body(f"internal error: {type(e).__name__}: {e}", 500), status_code=500)
 
     def on_error(_: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
         status = getattr(exc, "status_code", None)
-        if isinstance(status, int) and not isinstance(exc, RequestError):  # litestar's own (404, 405, 413 ...)
+        if isinstance(status, int) and not isinstance(
+            exc, RequestError
+        ):  # litestar's own (404, 405, 413 ...)
             detail = getattr(exc, "detail", "") or str(exc)
             return Response(error_body(str(detail), status), status_code=status)
         return error(exc)
@@ -137,8 +165,11 @@ def create_app(engine: Engine, cfg: EngineConfig, keepalive_s: float = KEEPALIVE
         job = worker.submit(req, prompt)
         if not body.get("stream"):
             return await _complete(job, rid, request)
-        return Stream(_stream(job, rid), media_type="text/event-stream",
-                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return Stream(
+            _stream(job, rid),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
 
     async def _complete(job: Job, rid: str, request: Request[Any, Any, Any]) -> Response[Any]:
         """Wait for the finish event; a client that disconnects first cancels the job."""
@@ -196,8 +227,18 @@ def create_app(engine: Engine, cfg: EngineConfig, keepalive_s: float = KEEPALIVE
 
     @get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0,
-                                            "owned_by": "keepwarm", "family": engine.backend.family}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_id,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "keepwarm",
+                    "family": engine.backend.family,
+                }
+            ],
+        }
 
     @get("/health")
     async def health() -> dict[str, Any]:
@@ -252,9 +293,13 @@ def _cache_info(engine: Engine, limit: int) -> dict[str, Any]:
         out["memory"] = asdict(engine.cache.memory.stats())
     disk = engine.cache.disk
     if disk is not None:
-        out["disk"] = {**asdict(disk.stats()), "budget_bytes": engine.cfg.disk_budget,
-                       "min_free_bytes": engine.cfg.min_free_disk, "path": str(engine.cfg.cache_dir),
-                       "free_bytes": shutil.disk_usage(disk.root).free}
+        out["disk"] = {
+            **asdict(disk.stats()),
+            "budget_bytes": engine.cfg.disk_budget,
+            "min_free_bytes": engine.cfg.min_free_disk,
+            "path": str(engine.cfg.cache_dir),
+            "free_bytes": shutil.disk_usage(disk.root).free,
+        }
         entries = sorted(disk.entries(), key=lambda e: e.last_used, reverse=True)[:limit]
         out["entries"] = [asdict(e) for e in entries]
     out["stats"] = {"engine": out["engine"], "memory": out["memory"], "disk": out["disk"]}
@@ -276,6 +321,9 @@ def serve(cfg: EngineConfig) -> None:
 
     engine = Engine(cfg)
     app = create_app(engine, cfg)
-    print(f"keepwarm engine: {cfg.served_name} on http://{cfg.host}:{cfg.port} "
-          f"(namespace {engine.namespace[:12]}, cache {cfg.cache_dir})", flush=True)
+    print(
+        f"keepwarm engine: {cfg.served_name} on http://{cfg.host}:{cfg.port} "
+        f"(namespace {engine.namespace[:12]}, cache {cfg.cache_dir})",
+        flush=True,
+    )
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=5)

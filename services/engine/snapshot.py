@@ -82,7 +82,9 @@ class Geometry:
                 raise SnapshotMismatch(f"{s.name}: dtype {t.dtype}, model needs {s.dtype}")
             want = s.shape_at(position)
             if tuple(t.shape) != want:
-                raise SnapshotMismatch(f"{s.name}: shape {tuple(t.shape)}, model needs {want} at position {position}")
+                raise SnapshotMismatch(
+                    f"{s.name}: shape {tuple(t.shape)}, model needs {want} at position {position}"
+                )
 
 
 @dataclass(frozen=True)

@@ -276,7 +276,7 @@ def read_snapshot(
         raise
     except OSError as e:
         raise SnapshotFileError("unreadable", repr(e)) from e
-    view = memoryview(buf.numpy())
+    view = buf.numpy().data
     header = _parse_header(view[: 8 + _MAX_HEADER], len(view))
     header.check(namespace=namespace, key=key)
     start = header.data_start
@@ -306,9 +306,18 @@ def _read_into(
             tensors: dict[str, torch.Tensor] = {}
             for name, t in sorted(header.tensors.items(), key=lambda kv: kv[1].begin):
                 dest = alloc(name, t.dtype, t.shape) if name != TOKENS else None
-                if dest is None or dest.dtype != t.dtype or tuple(dest.shape) != t.shape or not dest.is_contiguous():
+                if (
+                    dest is None
+                    or dest.dtype != t.dtype
+                    or tuple(dest.shape) != t.shape
+                    or not dest.is_contiguous()
+                ):
                     dest = torch.empty(t.shape, dtype=t.dtype)
-                raw = memoryview(dest.reshape(-1).view(torch.uint8).numpy()) if dest.numel() else memoryview(b"")
+                raw = (
+                    dest.reshape(-1).view(torch.uint8).numpy().data
+                    if dest.numel()
+                    else memoryview(b"")
+                )
                 f.seek(header.data_start + t.begin)
                 got = 0
                 while got < len(raw):
@@ -343,7 +352,8 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     return flat.view(torch.uint8).numpy().data
 
 
-def _fsync_dir(d: Path) -> None:
+def fsync_dir(d: Path) -> None:
+    """Make a folder's entries (new or renamed files) durable."""
     fd = os.open(d, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -361,7 +371,7 @@ def _ensure_dir(d: Path, fsync: bool) -> None:
     except FileExistsError:
         return
     if fsync:
-        _fsync_dir(d.parent)
+        fsync_dir(d.parent)
 
 
 @dataclass(frozen=True)
@@ -463,7 +473,7 @@ def publish(path: Path, encoded: EncodedSnapshot, *, fsync: bool = True) -> int 
         except FileNotFoundError:
             pass
     if fsync:
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     return encoded.size
 
 

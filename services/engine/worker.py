@@ -31,7 +31,9 @@ class Job:
 
 
 class Worker:
-    def __init__(self, engine: Engine, queue_size: int, on_event: Callable[[Event], None] | None = None) -> None:
+    def __init__(
+        self, engine: Engine, queue_size: int, on_event: Callable[[Event], None] | None = None
+    ) -> None:
         self.engine = engine
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
         self.on_event = on_event

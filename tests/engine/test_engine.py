@@ -30,15 +30,32 @@ SYSTEM = "You are a patient assistant who answers about a small village. " * 3
 
 
 def _cfg(model: Path, cache_dir: Path | None, **kw: object) -> EngineConfig:
-    base = EngineConfig(model=model, dtype="float32", cache_dir=cache_dir, max_context=1024, min_tokens=8,
-                        chunk_size=64, num_threads=1, fsync=False)
+    base = EngineConfig(
+        model=model,
+        dtype="float32",
+        cache_dir=cache_dir,
+        max_context=1024,
+        min_tokens=8,
+        chunk_size=64,
+        num_threads=1,
+        fsync=False,
+    )
     return replace(base, **kw).validate()  # type: ignore[arg-type]
 
 
-def _req(messages: list[dict[str, str]], policy: Policy | None = None, hint: SessionHint | None = None,
-         salt: str = "") -> GenerateRequest:
-    return GenerateRequest(sampling=SamplingParams(max_tokens=12, temperature=0.0), messages=tuple(messages),
-                           policy=policy, session_hint=hint, cache_salt=salt)
+def _req(
+    messages: list[dict[str, str]],
+    policy: Policy | None = None,
+    hint: SessionHint | None = None,
+    salt: str = "",
+) -> GenerateRequest:
+    return GenerateRequest(
+        sampling=SamplingParams(max_tokens=12, temperature=0.0),
+        messages=tuple(messages),
+        policy=policy,
+        session_hint=hint,
+        cache_salt=salt,
+    )
 
 
 def run_conversation(engine: Engine, policy: Policy | None = None) -> list[FinishEvent]:

@@ -8,10 +8,15 @@ from keepwarm.engine.policy import Policy, PolicyError, parse_policy, policy_for
 @pytest.mark.parametrize(
     "text,want",
     [
-        ("off", Policy("off")), ("NONE", Policy("off")), ("disabled", Policy("off")),
-        ("full", Policy("full")), ("Full-Prefix", Policy("full")),
-        ("auto", Policy("auto", window=30)), ("auto:5", Policy("auto", window=5)),
-        ("2048", Policy("fixed", num_tokens=2048)), (" 1 ", Policy("fixed", num_tokens=1)),
+        ("off", Policy("off")),
+        ("NONE", Policy("off")),
+        ("disabled", Policy("off")),
+        ("full", Policy("full")),
+        ("Full-Prefix", Policy("full")),
+        ("auto", Policy("auto", window=30)),
+        ("auto:5", Policy("auto", window=5)),
+        ("2048", Policy("fixed", num_tokens=2048)),
+        (" 1 ", Policy("fixed", num_tokens=1)),
         ("1000000", Policy("fixed", num_tokens=1_000_000)),
     ],
 )

@@ -32,8 +32,13 @@ def test_top_p_keeps_smallest_nucleus() -> None:
 
 @pytest.mark.parametrize(
     "kw,field",
-    [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"), ({"top_k": -1}, "top_k"),
-     ({"top_p": 0}, "top_p"), ({"stop": tuple("x" * 17)}, "stop")],
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_p": 0}, "top_p"),
+        ({"stop": tuple("x" * 17)}, "stop"),
+    ],
 )
 def test_bad_params_name_the_field(kw: dict[str, object], field: str) -> None:
     with pytest.raises(SamplingError, match=field):

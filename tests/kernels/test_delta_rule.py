@@ -10,6 +10,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (con
 import pytest
 import torch
 import torch.nn.functional as F
+
 from keepwarm.kernels.delta_rule import (
     TORCH_DELTA_RULE,
     TRITON_DELTA_RULE,

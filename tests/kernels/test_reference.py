@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+
 from keepwarm.kernels import reference
 from keepwarm.kernels.ops import TORCH_OPS, ops_for
 
@@ -145,16 +146,19 @@ def test_rotary_matches_pairwise_rotation() -> None:
 
 
 def test_ops_for_cpu_is_torch_unless_triton_is_forced() -> None:
-    from keepwarm.kernels.triton_ops import TRITON_OPS
-
     from keepwarm.kernels import cpu_linear
+    from keepwarm.kernels.triton_ops import TRITON_OPS
 
     cpu = torch.device("cpu")
     plain = ops_for(cpu)
     if cpu_linear.available():  # the decode GEMV joins the references on CPUs with avx512_bf16
         assert plain.name == "torch+cpu_linear" and plain.linear is cpu_linear.linear
         assert (plain.rms_norm, plain.rotary, plain.prefill_attention, plain.decode_attention) == (
-            TORCH_OPS.rms_norm, TORCH_OPS.rotary, TORCH_OPS.prefill_attention, TORCH_OPS.decode_attention)
+            TORCH_OPS.rms_norm,
+            TORCH_OPS.rotary,
+            TORCH_OPS.prefill_attention,
+            TORCH_OPS.decode_attention,
+        )
     else:
         assert plain is TORCH_OPS
     assert ops_for(cpu, use_triton=False) == plain

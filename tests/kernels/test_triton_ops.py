@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from keepwarm.kernels import reference, triton_ops
 from keepwarm.kernels.triton_ops import TRITON_OPS
 

@@ -78,8 +78,13 @@ class DenseBackend:
     family = "dense"
 
     def __init__(
-        self, cfg: DenseConfig, raw_cfg: dict[str, Any], weights: dict[str, Any], device: torch.device,
-        dtype: torch.dtype, ops: Ops,
+        self,
+        cfg: DenseConfig,
+        raw_cfg: dict[str, Any],
+        weights: dict[str, Any],
+        device: torch.device,
+        dtype: torch.dtype,
+        ops: Ops,
     ) -> None:
         self.cfg = cfg
         self.device = device
@@ -138,7 +143,12 @@ class DenseBackend:
 
         def alloc(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
             buf = state.tensors.get(name)
-            if buf is None or buf.dtype != dtype or len(shape) != buf.dim() or shape[1:] != tuple(buf.shape[1:]):
+            if (
+                buf is None
+                or buf.dtype != dtype
+                or len(shape) != buf.dim()
+                or shape[1:] != tuple(buf.shape[1:])
+            ):
                 return None
             return buf[: shape[0]] if shape[0] <= buf.shape[0] else None
 
@@ -217,8 +227,10 @@ def build(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, ops: Ops) 
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
-        wq, wk, wv = w(a + "q_proj.weight", (q_size, hid)), w(a + "k_proj.weight", (kv_size, hid)), w(
-            a + "v_proj.weight", (kv_size, hid)
+        wq, wk, wv = (
+            w(a + "q_proj.weight", (q_size, hid)),
+            w(a + "k_proj.weight", (kv_size, hid)),
+            w(a + "v_proj.weight", (kv_size, hid)),
         )
         w_qkv = torch.cat([wq, wk, wv], dim=0)
         del wq, wk, wv
@@ -231,7 +243,11 @@ def build(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, ops: Ops) 
                 input_norm=w(p + "input_layernorm.weight", (hid,)),
                 w_qkv=w_qkv,
                 b_qkv=fused(
-                    [opt(a + "q_proj.bias", (q_size,)), opt(a + "k_proj.bias", (kv_size,)), opt(a + "v_proj.bias", (kv_size,))]
+                    [
+                        opt(a + "q_proj.bias", (q_size,)),
+                        opt(a + "k_proj.bias", (kv_size,)),
+                        opt(a + "v_proj.bias", (kv_size,)),
+                    ]
                 ),
                 q_norm=w(a + "q_norm.weight", (d,)) if cfg.qk_norm else None,
                 k_norm=w(a + "k_norm.weight", (d,)) if cfg.qk_norm else None,
@@ -251,5 +267,10 @@ def build(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, ops: Ops) 
         lm_head = embed
     else:
         raise CheckpointError(f"{ckpt.path}: lm_head.weight is missing and tie_word_embeddings is false")
-    weights = {"embed": embed, "lm_head": lm_head, "final_norm": w("model.norm.weight", (hid,)), "layers": layers}
+    weights = {
+        "embed": embed,
+        "lm_head": lm_head,
+        "final_norm": w("model.norm.weight", (hid,)),
+        "layers": layers,
+    }
     return DenseBackend(cfg, ckpt.config, weights, device, dtype, ops)

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
 from keepwarm.engine.backend import State
 from keepwarm.engine.checkpoint import Checkpoint, CheckpointError
 from keepwarm.engine.models.rope import Rope, build_rope

@@ -97,7 +97,9 @@ def _yarn(dim: int, base: float, p: dict[str, Any], cfg: dict[str, Any]) -> tupl
     attention_factor = p.get("attention_factor")
     if attention_factor is None:
         m, m_all = p.get("mscale"), p.get("mscale_all_dim")
-        attention_factor = mscale_of(factor, m) / mscale_of(factor, m_all) if m and m_all else mscale_of(factor)
+        attention_factor = (
+            mscale_of(factor, m) / mscale_of(factor, m_all) if m and m_all else mscale_of(factor)
+        )
     beta_fast = p.get("beta_fast") or 32
     beta_slow = p.get("beta_slow") or 1
 

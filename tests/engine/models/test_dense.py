@@ -20,29 +20,55 @@ BASE: dict[str, Any] = dict(
 )
 
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
-    "llama-mha-untied": ("llama", dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False)),
+    "llama-mha-untied": (
+        "llama",
+        dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False),
+    ),
     "llama-gqa4-llama3rope": (
         "llama",
         dict(
-            num_attention_heads=8, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
-            rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
-                                 high_freq_factor=4.0, original_max_position_embeddings=64),
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=16,
+            tie_word_embeddings=True,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=10000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
         ),
     ),
     "llama-mqa-linear": (
         "llama",
-        dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False,
-             rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0)),
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            tie_word_embeddings=False,
+            rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0),
+        ),
     ),
-    "qwen2-gqa-bias-tied": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen2-gqa-bias-tied": (
+        "qwen2",
+        dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    ),
     "qwen3-gqa4-untied": (
-        "qwen3", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)
+        "qwen3",
+        dict(num_attention_heads=8, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False),
     ),
     "qwen3-mqa-yarn": (
         "qwen3",
-        dict(num_attention_heads=4, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True,
-             rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
-                                  original_max_position_embeddings=128)),
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=16,
+            tie_word_embeddings=True,
+            rope_parameters=dict(
+                rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128
+            ),
+        ),
     ),
 }
 
@@ -88,8 +114,13 @@ def test_greedy_32_tokens_match_transformers(pair: tuple[Any, Any]) -> None:
     ref, ours = pair
     prompt = _tokens(11, seed=2)
     with torch.no_grad():
-        out = ref.generate(prompt[None], max_new_tokens=32, do_sample=False, min_new_tokens=32,
-                           attention_mask=torch.ones(1, 11, dtype=torch.long))
+        out = ref.generate(
+            prompt[None],
+            max_new_tokens=32,
+            do_sample=False,
+            min_new_tokens=32,
+            attention_mask=torch.ones(1, 11, dtype=torch.long),
+        )
     want = out[0, 11:].tolist()
     state = ours.new_state(64)
     logits = ours.prefill(state, prompt)
@@ -138,7 +169,9 @@ def test_adopt_rejects_wrong_geometry_without_half_adopting(pair: tuple[Any, Any
     with pytest.raises(SnapshotMismatch, match="dtype"):
         ours.adopt(type(snap)(snap.position, wrong_dtype), 32)
     with pytest.raises(SnapshotMismatch, match="missing"):
-        ours.adopt(type(snap)(snap.position, {k: v for k, v in snap.tensors.items() if k != "layers.0.k"}), 32)
+        ours.adopt(
+            type(snap)(snap.position, {k: v for k, v in snap.tensors.items() if k != "layers.0.k"}), 32
+        )
 
 
 def test_bf16_runs_and_mostly_agrees(pair: tuple[Any, Any], tmp_path: Path) -> None:
