@@ -19,13 +19,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def free_port(preferred: int) -> int:
+    """`preferred` when it is free, else any free port (0 asks for any)."""
     with socket.socket() as s:
         try:
             s.bind(("127.0.0.1", preferred))
-            return preferred
         except OSError:
             s.bind(("127.0.0.1", 0))
-            return int(s.getsockname()[1])
+        return int(s.getsockname()[1])
 
 
 def wait_http(url: str, proc: subprocess.Popen[bytes], what: str, timeout: float) -> None:
@@ -90,6 +90,7 @@ def main() -> int:
         return proc
 
     def stop_all(*_: object) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not orphan children
         for _name, proc in reversed(procs):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
