@@ -7,9 +7,9 @@ import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Computed in float32 and cast back, as transformers' Llama/Qwen RMSNorm does
-    # (x * rsqrt(mean(x^2) + eps), then weight * result in x's dtype); fused by torch.
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    # As transformers' Llama/Qwen RMSNorm: x * rsqrt(mean(x^2) + eps) in float32, cast to
+    # x's dtype, then times weight. torch's fused kernel computes in float32 for 16-bit x.
+    return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

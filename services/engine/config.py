@@ -70,6 +70,7 @@ class EngineConfig:
     port: int = 8100
     model_name: str = ""  # the id /v1/models reports; defaults to the folder name
     use_triton: bool | None = None
+    keepalive_s: float = 5.0  # SSE keep-alive comment interval while a stream waits (queue, prefill)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -92,6 +93,8 @@ class EngineConfig:
             )
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"--device {self.device}: torch sees no GPU here; use --device cpu")
+        if self.keepalive_s <= 0:
+            raise ConfigError("--keepalive-s must be > 0 seconds")
         for name in ("max_context", "chunk_size", "writer_queue", "queue_size", "max_tokens_limit"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
@@ -118,6 +121,11 @@ def _convert(name: str, raw: str) -> object:
         return raw.lower() in ("1", "true", "yes", "on")
     if name == "use_triton":
         return None if raw.lower() in ("", "auto") else raw.lower() in ("1", "true", "yes", "on")
+    if name == "keepalive_s":
+        try:
+            return float(raw)
+        except ValueError:
+            raise ConfigError(f"keepalive_s must be a number of seconds, got {raw!r}") from None
     if "int" in str(field_type):
         try:
             return int(raw)

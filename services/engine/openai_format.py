@@ -25,6 +25,13 @@ def _number(body: dict[str, Any], name: str, kind: type, default: Any) -> Any:
     return kind(v)
 
 
+def _flag(body: dict[str, Any], name: str) -> bool:
+    v = body.get(name, False)
+    if not isinstance(v, bool):
+        raise RequestError(f"{name} must be true or false, got {v!r}", param=name)
+    return v
+
+
 def _content_text(content: Any, where: str) -> str:
     if content is None:
         return ""
@@ -102,6 +109,7 @@ def parse_chat_request(
             top_p=_number(body, "top_p", float, 1.0),
             seed=_number(body, "seed", int, None),
             stop=stops,
+            ignore_eos=_flag(body, "ignore_eos"),
         )
     except SamplingError as e:
         raise RequestError(str(e), param=str(e).split(" ", 1)[0]) from e

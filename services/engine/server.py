@@ -30,8 +30,6 @@ from keepwarm.engine.openai_format import (
 from keepwarm.engine.request import FinishEvent, RequestError, TokenEvent
 from keepwarm.engine.worker import Job, QueueFull, Worker
 
-KEEPALIVE_S = 5.0
-
 
 class EngineCollector:
     """Reads the engine's counters at scrape time (no duplicated bookkeeping)."""
@@ -108,7 +106,7 @@ def _sse(obj: dict[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-def create_app(engine: Engine, cfg: EngineConfig, keepalive_s: float = KEEPALIVE_S) -> Litestar:
+def create_app(engine: Engine, cfg: EngineConfig) -> Litestar:
     registry = CollectorRegistry()
     ttft = Histogram(
         "keepwarm_ttft_seconds",
@@ -201,7 +199,7 @@ def create_app(engine: Engine, cfg: EngineConfig, keepalive_s: float = KEEPALIVE
             yield _sse(chunk_body(rid, model_id, created, {"role": "assistant", "content": ""}, None))
             while True:
                 try:
-                    ev = await asyncio.wait_for(next_event(job), timeout=keepalive_s)
+                    ev = await asyncio.wait_for(next_event(job), timeout=cfg.keepalive_s)
                 except asyncio.TimeoutError:
                     yield b": keep-alive\n\n"
                     continue

@@ -313,11 +313,7 @@ def _read_into(
                     or not dest.is_contiguous()
                 ):
                     dest = torch.empty(t.shape, dtype=t.dtype)
-                raw = (
-                    dest.reshape(-1).view(torch.uint8).numpy().data
-                    if dest.numel()
-                    else memoryview(b"")
-                )
+                raw = dest.reshape(-1).view(torch.uint8).numpy().data if dest.numel() else memoryview(b"")
                 f.seek(header.data_start + t.begin)
                 got = 0
                 while got < len(raw):
