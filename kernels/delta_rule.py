@@ -205,6 +205,127 @@ def _kernel():  # type: ignore[no-untyped-def]
     return gated_delta_rule_fwd
 
 
+def triton_chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked Triton kernel; same contract as `chunk_gated_delta_rule` (the prefill path).
+    One program per (value head, Dv block) walks the chunks in order with its state columns
+    in registers; within a chunk it does the WY/UT form of the torch reference, the
+    unit-lower-triangular inverse built by forward substitution over the C rows.
+    Normalization (L2, q scale) happens here in torch, in float32, as in the reference."""
+    import triton
+
+    if chunk_size < 16 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size {chunk_size}: use a power of two >= 16 (tl.dot's smallest tile)")
+    qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta)  # heads first, float32, contiguous
+    hv, t, dk = kf.shape
+    dv = vf.shape[-1]
+    s = state.to(torch.float32).contiguous().clone()  # updated in place by the kernel
+    out = torch.empty_like(vf)
+    block_k = max(triton.next_power_of_2(dk), 16)
+    block_v = max(min(triton.next_power_of_2(dv), 64), 16)
+    grid = (hv, triton.cdiv(dv, block_v))
+    _chunk_kernel()[grid](
+        qf, kf, vf, gf, bf, s, out, t, dk, dv, CHUNK=chunk_size, BLOCK_K=block_k, BLOCK_V=block_v
+    )
+    return out.transpose(0, 1).to(q.dtype).contiguous(), s
+
+
+@functools.cache
+def _chunk_kernel():  # type: ignore[no-untyped-def]
+    """The jitted chunked kernel, defined on first use (see `_kernel`)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def chunk_gated_delta_rule_fwd(
+        q_ptr,  # [Hv, T, Dk] float32, normalized and scaled
+        k_ptr,  # [Hv, T, Dk] float32, normalized
+        v_ptr,  # [Hv, T, Dv] float32
+        g_ptr,  # [Hv, T] float32
+        beta_ptr,  # [Hv, T] float32
+        s_ptr,  # [Hv, Dk, Dv], in: initial state, out: final state
+        o_ptr,  # [Hv, T, Dv] float32
+        T,
+        DK,
+        DV,
+        CHUNK: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+    ):
+        # All dots are "ieee": the operands are fp32 (tf32 would cost ~1e-3 relative), and the
+        # interpreter's dot needs fp32 operands anyway.
+        h = tl.program_id(0)
+        vb = tl.program_id(1)
+        offs_c = tl.arange(0, CHUNK)
+        offs_k = tl.arange(0, BLOCK_K)
+        offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+        mask_k = offs_k < DK
+        mask_v = offs_v < DV
+        s_ptrs = s_ptr + h * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
+        s = tl.load(s_ptrs, mask=mask_k[:, None] & mask_v[None, :], other=0.0)  # [BK, BV]
+        lower = offs_c[:, None] >= offs_c[None, :]  # [C, C], diagonal included
+        strict = offs_c[:, None] > offs_c[None, :]
+        eye = (offs_c[:, None] == offs_c[None, :]).to(tl.float32)
+        for c0 in range(0, T, CHUNK):
+            rows = c0 + offs_c
+            mask_c = rows < T
+            # The ragged tail loads as zeros: g = 0 keeps the decay, beta = 0 and k = 0 keep
+            # the state, exactly like the reference's zero padding; its outputs are not stored.
+            q = tl.load(
+                q_ptr + (h * T + rows)[:, None] * DK + offs_k[None, :],
+                mask=mask_c[:, None] & mask_k[None, :],
+                other=0.0,
+            )  # [C, BK]
+            k = tl.load(
+                k_ptr + (h * T + rows)[:, None] * DK + offs_k[None, :],
+                mask=mask_c[:, None] & mask_k[None, :],
+                other=0.0,
+            )  # [C, BK]
+            v = tl.load(
+                v_ptr + (h * T + rows)[:, None] * DV + offs_v[None, :],
+                mask=mask_c[:, None] & mask_v[None, :],
+                other=0.0,
+            )  # [C, BV]
+            g = tl.load(g_ptr + h * T + rows, mask=mask_c, other=0.0)  # [C]
+            b = tl.load(beta_ptr + h * T + rows, mask=mask_c, other=0.0)  # [C]
+            cum = tl.cumsum(g, axis=0)  # [C] log decay from the chunk start, <= 0
+            cum_last = tl.sum(g, axis=0)  # the tail adds 0, so this is cum at the last real row
+            # pairwise[i, j] = exp(cum_i - cum_j) for j <= i, else exp(-inf) = 0 (no overflow)
+            pairwise = tl.exp(tl.where(lower, cum[:, None] - cum[None, :], float("-inf")))  # [C, C]
+            kk = tl.dot(k, tl.trans(k), input_precision="ieee")  # [C, C]
+            a = tl.where(strict, kk * b[:, None] * pairwise, 0.0)  # strict lower part of UT
+            # x = (I + a)^-1 by forward substitution: row i = e_i - sum_{j<i} a_ij x_j. Rows
+            # below i still hold e_j, but a_ij = 0 there, so the full-row sum is exact.
+            x = eye
+            for i in range(1, CHUNK):
+                a_i = tl.sum(tl.where(offs_c[:, None] == i, a, 0.0), axis=0)  # [C], row i of a
+                x_i = tl.where(offs_c == i, 1.0, 0.0) - tl.sum(a_i[:, None] * x, axis=0)
+                x = tl.where(offs_c[:, None] == i, x_i[None, :], x)
+            u = tl.dot(x, v * b[:, None], input_precision="ieee")  # [C, BV]
+            w = tl.dot(x, k * (b * tl.exp(cum))[:, None], input_precision="ieee")  # [C, BK]
+            v_new = u - tl.dot(w, s, input_precision="ieee")  # [C, BV]
+            intra = tl.dot(q, tl.trans(k), input_precision="ieee") * pairwise  # [C, C]
+            o = tl.dot(q * tl.exp(cum)[:, None], s, input_precision="ieee")
+            o += tl.dot(intra, v_new, input_precision="ieee")  # [C, BV]
+            tl.store(
+                o_ptr + (h * T + rows)[:, None] * DV + offs_v[None, :],
+                o,
+                mask=mask_c[:, None] & mask_v[None, :],
+            )
+            k_dec = k * tl.exp(cum_last - cum)[:, None]  # [C, BK]
+            s = s * tl.exp(cum_last) + tl.dot(tl.trans(k_dec), v_new, input_precision="ieee")
+        tl.store(s_ptrs, s, mask=mask_k[:, None] & mask_v[None, :])
+
+    return chunk_gated_delta_rule_fwd
+
+
 @dataclass(frozen=True)
 class DeltaRuleOps:
     """The delta-rule implementations a model calls: `prefill` for chunks of many tokens,
@@ -216,7 +337,7 @@ class DeltaRuleOps:
 
 
 TORCH_DELTA_RULE = DeltaRuleOps("torch", chunk_gated_delta_rule, recurrent_gated_delta_rule)
-TRITON_DELTA_RULE = DeltaRuleOps("triton", triton_gated_delta_rule, triton_gated_delta_rule)
+TRITON_DELTA_RULE = DeltaRuleOps("triton", triton_chunk_gated_delta_rule, triton_gated_delta_rule)
 
 
 def delta_rule_for(device: torch.device, use_triton: bool | None = None) -> DeltaRuleOps:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from array import array
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from keepwarm.engine.tokenizer import Tokenizer
 from keepwarm.kernels.ops import ops_for
 
 Event: TypeAlias = TokenEvent | FinishEvent
+MAX_AUTO_WINDOW = 256  # `auto:W` compares with at most this many recent prompts
 
 
 @dataclass
@@ -100,7 +102,8 @@ class Engine:
         self.cache = PrefixCache(self.namespace, memory, disk, self._validate)
         self.default_policy: Policy = cfg.policy
         self.stats = EngineStats()
-        self.recent_prompts: deque[tuple[str, list[int]]] = deque(maxlen=1000)
+        # (salt, prompt tokens) of recent requests for `auto`; int32 arrays: 4 bytes a token
+        self.recent_prompts: deque[tuple[str, array[int]]] = deque(maxlen=MAX_AUTO_WINDOW)
         self.lock = threading.Lock()  # one generation at a time
         self.spare: State | None = None  # the last request's state, reused by the next restore
 
@@ -236,7 +239,7 @@ class Engine:
         logits = self.runner.prefill(state, tokens[restored:], points, on_snapshot, should_stop)
         prefill_s = time.perf_counter() - t_p
         if policy.enabled:
-            self.recent_prompts.append((salt, tokens))
+            self.recent_prompts.append((salt, array("i", tokens)))
         if logits is None:
             self.spare = state
             yield self._finish("cancelled", "", prompt, 0, hit, restore_s, prefill_s, 0.0, t0, diverged)

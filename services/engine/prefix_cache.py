@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from keepwarm.engine.disk_cache import DiskCache
 from keepwarm.engine.memory_cache import MemoryCache
-from keepwarm.engine.namespace import prefix_key
+from keepwarm.engine.namespace import prefix_key, prefix_keys
 from keepwarm.engine.snapshot import Snapshot
 from keepwarm.engine.snapshot_file import Alloc, SnapshotFileError, read_snapshot
 
@@ -87,8 +87,8 @@ class PrefixCache:
     ) -> Hit | None:
         """The deepest hit among `lengths`. `alloc` lets a disk hit be read straight
         into the caller's memory (see snapshot_file.Alloc); such a hit is `aliased`."""
-        for n in lengths:
-            key = self.key(salt, tokens[:n])
+        keys = prefix_keys(self.namespace, salt, tokens, lengths)  # one hashing pass for all lengths
+        for n, key in zip(lengths, keys):
             hit = self._probe(key, list(tokens[:n]), alloc)
             if hit is not None:
                 return hit

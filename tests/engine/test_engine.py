@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from array import array
 from dataclasses import replace
 from pathlib import Path
 
@@ -220,7 +221,7 @@ def test_policies_choose_snapshot_points(tiny_dense_model: Path) -> None:
         assert engine.save_points(Policy("off"), "", prompt, 0) == []
         # auto: the longest common prefix with recent prompts, floored to a turn boundary
         assert engine.save_points(Policy("auto", window=5), "", prompt, 0) == []
-        engine.recent_prompts.append(("", prompt.tokens[: inner[0]] + [1, 2, 3]))
+        engine.recent_prompts.append(("", array("i", prompt.tokens[: inner[0]] + [1, 2, 3])))
         assert engine.save_points(Policy("auto", window=5), "", prompt, 0) == [inner[0]]
         assert engine.save_points(Policy("auto", window=5), "other-tenant", prompt, 0) == []
     finally:
