@@ -88,7 +88,7 @@ class PrefixCache:
         """The deepest hit among `lengths`. `alloc` lets a disk hit be read straight
         into the caller's memory (see snapshot_file.Alloc); such a hit is `aliased`."""
         keys = prefix_keys(self.namespace, salt, tokens, lengths)  # one hashing pass for all lengths
-        for n, key in zip(lengths, keys):
+        for n, key in zip(lengths, keys, strict=True):
             hit = self._probe(key, list(tokens[:n]), alloc)
             if hit is not None:
                 return hit
