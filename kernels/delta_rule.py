@@ -16,10 +16,12 @@ Shapes (no batch dim):
   state  [Hv, Dk, Dv]  float32, the state before the first token (never written)
 returns (out [T, Hv, Dv] in q's dtype, new_state [Hv, Dk, Dv] float32 — a new tensor).
 
-Three implementations with one signature: `chunk_gated_delta_rule` (pure torch, the
+Four implementations with one signature: `chunk_gated_delta_rule` (pure torch, the
 WY/UT-transform chunked form used for prefill), `recurrent_gated_delta_rule` (pure torch,
-token by token, used for decode and as the oracle), and `triton_gated_delta_rule` (a fused
-recurrent Triton kernel: one program per (value head, Dv block), the state in registers).
+token by token, used for decode and as the oracle), `triton_gated_delta_rule` (a fused
+recurrent Triton kernel: one program per (value head, Dv block), the state in registers),
+and `triton_chunk_gated_delta_rule` (the chunked form as one Triton kernel, same grid; the
+Triton bundle's prefill).
 `delta_rule_for(device)` picks the bundle at one call site.
 """
 
