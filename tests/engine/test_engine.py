@@ -121,6 +121,12 @@ def test_cold_equals_warm_memory_disk_and_after_restart(
         "ev = run_conversation(e); e.close();"
         "print(json.dumps([[x.text, x.timings.cache_source, x.cached_tokens] for x in ev]))"
     )
+    assert_restart_replays(code, cold_replies)
+
+
+def assert_restart_replays(code: str, cold_replies: list[str]) -> None:
+    """Run `code` in a fresh interpreter (a restarted engine process); it prints the
+    conversation as JSON [[text, cache_source, cached_tokens], ...] on its last line."""
     root = Path(__file__).resolve().parents[2]
     res = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]

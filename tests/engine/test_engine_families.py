@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -31,7 +29,7 @@ from keepwarm.engine.engine import Engine
 from keepwarm.engine.models import deepseek_v4, qwen3_5
 from keepwarm.engine.policy import Policy
 from keepwarm.engine.snapshot import Snapshot
-from tests.engine.test_engine import SYSTEM, USER_TURNS, _cfg, _req, run_conversation
+from tests.engine.test_engine import SYSTEM, USER_TURNS, _cfg, _req, assert_restart_replays, run_conversation
 
 FAMILIES = ("hybrid", "deepseek_v4")
 _FIXTURE = {"hybrid": "tiny_hybrid_model", "deepseek_v4": "tiny_deepseek_model"}
@@ -151,12 +149,7 @@ def test_cold_equals_warm_memory_disk_and_after_restart(
         f"torch.save(tape.logits, {str(logits_file)!r});"
         "print(json.dumps([[x.text, x.timings.cache_source, x.cached_tokens] for x in ev]))"
     )
-    root = Path(__file__).resolve().parents[2]
-    res = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    after = json.loads(res.stdout.strip().splitlines()[-1])
-    assert [t for t, _, _ in after] == cold_replies
-    assert all(src == "disk" and n > 0 for _, src, n in after)
+    assert_restart_replays(code, cold_replies)
     _assert_logits_close(torch.load(logits_file), cold_logits)
 
 
