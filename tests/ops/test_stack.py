@@ -31,35 +31,21 @@ def test_stack_answers_the_readme_example_and_ctrl_c_stops_everything(
 ) -> None:
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "KEEPWARM_DTYPE": "float32"}
     env.pop("REDIS_URL", None)
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "ops/stack.py",
-            "--model",
-            str(tiny_dense_model),
-            "--no-dashboard",
-            "--gateway-port",
-            "0",
-            "--engine-port",
-            "0",
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    lines: list[str] = []
+    log = tmp_path / "stack.log"  # a file, not a pipe: children write logs for as long as they run
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "ops/stack.py", "--model", str(tiny_dense_model), "--no-dashboard",
+             "--gateway-port", "0", "--engine-port", "0"],
+            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
     try:
-        assert proc.stdout is not None
         deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
+        lines: list[str] = []
+        while time.monotonic() < deadline and proc.poll() is None:
+            lines = log.read_text(errors="replace").splitlines()
+            if any(line.startswith("api key:") for line in lines):
                 break
-            lines.append(line.rstrip())
-            if line.startswith("api key:"):
-                break
+            time.sleep(0.2)
         by_prefix = {
             ln.split(":", 1)[0]: ln.split(": ", 1)[1]
             for ln in lines
