@@ -434,7 +434,7 @@ def test_engine_dockerfile_keeps_the_base_torch_and_never_installs_an_unpinned_o
     assert args["TORCH_SPEC"] == ""  # default: the ROCm image's own torch
     assert args["BASE_IMAGE"].startswith("rocm/pytorch:")
     (package_install,) = [a for a in _pip_installs(path) if ".[engine]" in a]
-    assert package_install[:2] == ["--constraint", "/etc/keepwarm-torch.txt"]
+    assert package_install[:2] == ["--constraint", "/etc/keepwarm-constraints.txt"]
     torch_spec = cpu.services["engine"].build_args["TORCH_SPEC"]
     assert re.fullmatch(r"torch==\d+\.\d+\.\d+", torch_spec.split()[0])
     for tokens in _pip_installs(path):
