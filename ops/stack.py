@@ -102,6 +102,9 @@ def main() -> int:
                 os.killpg(proc.pid, signal.SIGKILL)
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # Ctrl-C stops the stack even when this process was started with SIGINT ignored
+    # (a background job of a non-interactive shell inherits SIG_IGN).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     t_start = time.monotonic()
     try:
         redis_url = os.environ.get("REDIS_URL")

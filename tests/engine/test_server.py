@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +20,12 @@ SYSTEM = "You are a patient assistant who answers about a small village and its 
 @pytest.fixture(scope="module")
 def engine(tiny_dense_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
     tmp = tmp_path_factory.mktemp("engine-server")
-    proc = start_engine(tiny_dense_model, tmp / "cache", tmp / "logs", extra=["--keepalive-s", "0.02"])
+    proc = start_engine(
+        tiny_dense_model,
+        tmp / "cache",
+        tmp / "logs",
+        extra=["--keepalive-s", "0.02", "--max-context", "2048"],
+    )
     yield proc
     proc.stop()
 
@@ -61,9 +67,13 @@ def test_metrics_count_requests_hits_and_ttft(engine: Proc) -> None:
 def test_stream_sends_keepalives_while_queued_then_usage_and_done(engine: Proc) -> None:
     # A long request holds the single worker, so the stream below waits in the queue.
     blocker = threading.Thread(
-        target=chat, args=(engine, "a long story"), kwargs={"max_tokens": 300, "ignore_eos": True}
+        target=chat, args=(engine, "a long story"), kwargs={"max_tokens": 800, "ignore_eos": True}
     )
     blocker.start()
+    deadline = time.monotonic() + 60
+    while httpx.get(engine.url + "/health").json()["queue_depth"] < 1:  # the blocker holds the worker
+        assert time.monotonic() < deadline, "the blocking request never reached the engine"
+        time.sleep(0.005)
     lines: list[str] = []
     body = {"messages": [{"role": "user", "content": "stream me"}], "max_tokens": 5, "temperature": 0,
             "stream": True}  # fmt: skip
@@ -112,7 +122,7 @@ def test_cache_admin_lists_and_clears(engine: Proc) -> None:
             "temperature",
             "a number",
         ),
-        ({"messages": [{"role": "user", "content": "word " * 600}]}, 413, "messages", "max_context 512"),
+        ({"messages": [{"role": "user", "content": "word " * 2500}]}, 413, "messages", "max_context 2048"),
     ],
 )
 def test_bad_input_names_the_field(engine: Proc, body: dict, status: int, param: str, words: str) -> None:
