@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -167,13 +167,3 @@ def config_from(
     if "cache_dir" not in values and cache_dir_default:
         values["cache_dir"] = default_cache_dir()
     return EngineConfig(**values).validate()  # type: ignore[arg-type]
-
-
-def with_overrides(cfg: EngineConfig, **kw: object) -> EngineConfig:
-    return replace(cfg, **kw).validate()  # type: ignore[arg-type]
-
-
-def parse_args(argv: Sequence[str] | None = None) -> EngineConfig:
-    p = argparse.ArgumentParser()
-    add_engine_args(p)
-    return config_from(p.parse_args(argv))

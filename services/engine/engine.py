@@ -55,7 +55,6 @@ class EngineStats:
     restore_bytes: int = 0
     completion_tokens: int = 0
     snapshots_saved: int = 0
-    ttft_seconds: list[float] = field(default_factory=list)  # drained by the metrics exporter
 
 
 @dataclass(frozen=True)
@@ -354,7 +353,6 @@ class Engine:
                 saved_s = max(0.0, cold - restore_s)
                 self.stats.prefill_saved_seconds += saved_s
         ttft_s = ttft if ttft is not None else time.perf_counter() - t0
-        self.stats.ttft_seconds.append(ttft_s)
         timings = Timings(
             cache_source=hit.source if hit else "none",
             restored_tokens=restored,

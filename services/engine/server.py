@@ -282,7 +282,7 @@ def _cache_info(engine: Engine, limit: int) -> dict[str, Any]:
         "family": engine.backend.family,
         "policy": str(engine.default_policy),
         "min_tokens": engine.cfg.min_tokens,
-        "engine": {k: v for k, v in asdict(s).items() if k != "ttft_seconds"},
+        "engine": asdict(s),
         "memory": None,
         "disk": None,
         "entries": [],
