@@ -31,7 +31,7 @@ from keepwarm.engine.request import FinishEvent, GenerateRequest, RequestError, 
 from keepwarm.engine.runner import Runner
 from keepwarm.engine.sampling import Sampler
 from keepwarm.engine.snapshot import Snapshot
-from keepwarm.engine.snapshot_file import FORMAT_VERSION
+from keepwarm.engine.snapshot_file import FORMAT_VERSION, Alloc
 from keepwarm.engine.tokenizer import Tokenizer
 from keepwarm.kernels.ops import ops_for
 
@@ -105,6 +105,8 @@ class Engine:
         self.recent_prompts: deque[tuple[str, array[int]]] = deque(maxlen=MAX_AUTO_WINDOW)
         self.lock = threading.Lock()  # one generation at a time
         self.spare: State | None = None  # the last request's state, reused by the next restore
+        # optional backend capability: read disk hits straight into a state's buffers
+        self.restore_target: Callable[[State], Alloc] | None = getattr(self.backend, "restore_target", None)
 
     def _validate(self, snap: Snapshot) -> None:
         self.backend.geometry.validate(snap.tensors, snap.position)
@@ -186,10 +188,11 @@ class Engine:
             req.session_hint,
             self.cfg.min_tokens,
         )
-        restore_target = getattr(self.backend, "restore_target", None)  # optional backend capability
-        if restore_target is not None and self.spare is None:
-            self.spare = self.backend.new_state(self.cfg.max_context)
-        alloc = restore_target(self.spare) if restore_target is not None else None
+        alloc = None
+        if self.restore_target is not None:
+            if self.spare is None:
+                self.spare = self.backend.new_state(self.cfg.max_context)
+            alloc = self.restore_target(self.spare)
         hit = self.cache.lookup(req.cache_salt, prompt.tokens, lengths, alloc)
         hint = req.session_hint
         diverged = None

@@ -110,6 +110,17 @@ class MemoryCache:
         with self._lock:
             return list(self._items)
 
+    def token_counts(self) -> set[int]:
+        """The distinct key lengths held (probe candidates); no LRU or hit-count effect."""
+        with self._lock:
+            return {len(tokens) for tokens, _ in self._items.values()}
+
+    def tokens(self, key: str) -> list[int] | None:
+        """The tokens `key` was stored under, without counting a hit or touching LRU order."""
+        with self._lock:
+            item = self._items.get(key)
+            return None if item is None else list(item[0])
+
     def stats(self) -> MemoryCacheStats:
         with self._lock:
             return MemoryCacheStats(

@@ -16,7 +16,7 @@ from keepwarm.engine.disk_cache import DiskCache
 from keepwarm.engine.memory_cache import MemoryCache
 from keepwarm.engine.namespace import prefix_key, prefix_keys
 from keepwarm.engine.snapshot import Snapshot
-from keepwarm.engine.snapshot_file import Alloc, SnapshotFileError, read_snapshot
+from keepwarm.engine.snapshot_file import Alloc, SnapshotFileError, read_tokens
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,6 @@ class PrefixCache:
         self.memory = memory
         self.disk = disk
         self.validate = validate
-        self._memory_lengths: dict[str, int] = {}  # key -> token count of RAM entries (pruned lazily)
 
     def key(self, salt: str, tokens: Sequence[int]) -> str:
         return prefix_key(self.namespace, salt, tokens)
@@ -75,9 +74,7 @@ class PrefixCache:
     def known_lengths(self) -> set[int]:
         out: set[int] = set()
         if self.memory is not None:
-            live = set(self.memory.keys())
-            self._memory_lengths = {k: n for k, n in self._memory_lengths.items() if k in live}
-            out.update(self._memory_lengths.values())
+            out.update(self.memory.token_counts())
         if self.disk is not None:
             out.update(e.tokens for e in self.disk.entries() if e.namespace == self.namespace)
         return out
@@ -150,18 +147,18 @@ class PrefixCache:
         return key
 
     def _remember(self, key: str, tokens: list[int], snapshot: Snapshot) -> None:
-        if self.memory is not None and self.memory.put(key, tokens, snapshot, detached=True):
-            self._memory_lengths[key] = len(tokens)
+        if self.memory is not None:
+            self.memory.put(key, tokens, snapshot, detached=True)
 
     def stored_tokens(self, key: str) -> list[int] | None:
         """The tokens an entry was keyed by (to explain a miss), or None."""
         if self.memory is not None:
-            found = self.memory.get(key)
+            found = self.memory.tokens(key)
             if found is not None:
-                return found[0]
+                return found
         if self.disk is not None:
             try:
-                return read_snapshot(self.disk.path_for(key), namespace=self.namespace, key=key)[1]
+                return read_tokens(self.disk.path_for(key), namespace=self.namespace, key=key)
             except (OSError, SnapshotFileError):
                 return None
         return None

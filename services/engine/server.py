@@ -275,33 +275,33 @@ async def _until_disconnect(request: Request[Any, Any, Any]) -> None:
 
 
 def _cache_info(engine: Engine, limit: int) -> dict[str, Any]:
-    s = engine.stats
-    out: dict[str, Any] = {
-        "namespace": engine.namespace,
-        "model": engine.cfg.served_name,
-        "family": engine.backend.family,
-        "policy": str(engine.default_policy),
-        "min_tokens": engine.cfg.min_tokens,
-        "engine": asdict(s),
-        "memory": None,
-        "disk": None,
-        "entries": [],
-    }
-    if engine.cache.memory is not None:
-        out["memory"] = asdict(engine.cache.memory.stats())
+    memory = engine.cache.memory
     disk = engine.cache.disk
+    stats: dict[str, Any] = {
+        "engine": asdict(engine.stats),
+        "memory": asdict(memory.stats()) if memory is not None else None,
+        "disk": None,
+    }
+    entries: list[dict[str, Any]] = []
     if disk is not None:
-        out["disk"] = {
+        stats["disk"] = {
             **asdict(disk.stats()),
             "budget_bytes": engine.cfg.disk_budget,
             "min_free_bytes": engine.cfg.min_free_disk,
             "path": str(engine.cfg.cache_dir),
             "free_bytes": shutil.disk_usage(disk.root).free,
         }
-        entries = sorted(disk.entries(), key=lambda e: e.last_used, reverse=True)[:limit]
-        out["entries"] = [asdict(e) for e in entries]
-    out["stats"] = {"engine": out["engine"], "memory": out["memory"], "disk": out["disk"]}
-    return out
+        newest = sorted(disk.entries(), key=lambda e: e.last_used, reverse=True)[:limit]
+        entries = [asdict(e) for e in newest]
+    return {
+        "namespace": engine.namespace,
+        "model": engine.cfg.served_name,
+        "family": engine.backend.family,
+        "policy": str(engine.default_policy),
+        "min_tokens": engine.cfg.min_tokens,
+        "stats": stats,
+        "entries": entries,
+    }
 
 
 def _clear(engine: Engine) -> int:

@@ -334,6 +334,27 @@ def _read_into(
     return Snapshot(header.position, tensors), stored
 
 
+def read_tokens(path: Path, *, namespace: str, key: str | None = None) -> list[int]:
+    """The key's token ids alone (header + `meta.tokens`, checksum verified), without
+    reading the payload: enough to explain where a prompt diverged from an entry."""
+    header = read_header(path)
+    header.check(namespace=namespace, key=key)
+    t = header.tensors[TOKENS]
+    try:
+        with open(path, "rb", buffering=0) as f:
+            f.seek(header.data_start + t.begin)
+            raw = f.read(t.end - t.begin)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise SnapshotFileError("unreadable", repr(e)) from e
+    if len(raw) != t.end - t.begin:
+        raise SnapshotFileError("truncated", f"{TOKENS}: file ended early")
+    if xxhash.xxh3_64_hexdigest(raw) != header.checksums[TOKENS]:
+        raise SnapshotFileError("checksum", TOKENS)
+    return torch.frombuffer(bytearray(raw), dtype=torch.int32).tolist()
+
+
 def _divergence(stored: Sequence[int], wanted: Sequence[int]) -> str:
     n = next(
         (i for i, (a, b) in enumerate(zip(stored, wanted, strict=False)) if a != b),

@@ -232,3 +232,31 @@ def test_policies_choose_snapshot_points(tiny_dense_model: Path) -> None:
         assert engine.save_points(Policy("auto", window=5), "other-tenant", prompt, 0) == []
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("memory_budget", [2 * 1024**3, 0])  # hint explained from RAM, then from disk
+def test_a_miss_against_the_session_hint_reports_where_it_diverged(
+    tiny_dense_model: Path, tmp_path: Path, memory_budget: int
+) -> None:
+    cache = tmp_path / "c"
+    first = Engine(_cfg(tiny_dense_model, cache))
+    try:
+        msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER_TURNS[0]}]
+        ev = first.complete(_req(msgs))
+        first.flush()
+    finally:
+        first.close()
+    assert ev.prefix_key is not None
+    covered = first.prepare(_req(msgs)).tokens  # the prompt part of the hinted entry
+    engine = Engine(_cfg(tiny_dense_model, cache, memory_budget=memory_budget))
+    try:
+        if memory_budget:  # put the hinted entry in RAM: replay the same request
+            engine.complete(_req(msgs))
+        edited = [{"role": "system", "content": SYSTEM.replace("village", "harbour", 1)}, msgs[1]]
+        new_tokens = engine.prepare(_req(edited)).tokens
+        want = next(i for i, (a, b) in enumerate(zip(covered, new_tokens, strict=False)) if a != b)
+        miss = engine.complete(_req(edited, hint=SessionHint(ev.prefix_key, ev.prefix_tokens)))
+        assert miss.timings.diverged_at == want
+        assert miss.cached_tokens <= want
+    finally:
+        engine.close()

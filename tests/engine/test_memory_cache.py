@@ -85,3 +85,14 @@ def test_remove_clear_and_bad_config() -> None:
         cache.put("c", [1, 2, 3], make_snapshot(4))
     with pytest.raises(ValueError, match="budget_bytes must be >= 0"):
         MemoryCache(-1)
+
+
+def test_token_counts_and_tokens_do_not_count_hits_or_reorder() -> None:
+    m = MemoryCache(budget_bytes=10**9)
+    m.put("a", [1, 2, 3], make_snapshot(3))
+    m.put("b", [4, 5, 6, 7, 8], make_snapshot(5))
+    before = m.stats()
+    assert m.token_counts() == {3, 5}
+    assert m.tokens("a") == [1, 2, 3] and m.tokens("zz") is None
+    assert m.stats() == before  # no hit, no miss
+    assert m.keys() == ["a", "b"]  # "a" was not moved to most recently used

@@ -96,7 +96,8 @@ def test_cache_admin_lists_and_clears(engine: Proc) -> None:
     chat(engine, "fill the cache")
     info = httpx.get(engine.url + "/v1/cache").json()
     assert info["entries"] and all(e["namespace"] == info["namespace"] for e in info["entries"])
-    assert info["disk"]["num_entries"] >= len(info["entries"]) and info["disk"]["free_bytes"] > 0
+    disk = info["stats"]["disk"]
+    assert disk["num_entries"] >= len(info["entries"]) and disk["free_bytes"] > 0
     deleted = httpx.delete(engine.url + "/v1/cache").json()["deleted"]
     assert deleted >= len(info["entries"])
     assert httpx.get(engine.url + "/v1/cache").json()["entries"] == []

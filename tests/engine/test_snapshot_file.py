@@ -19,6 +19,7 @@ from keepwarm.engine.snapshot_file import (
     SnapshotFileError,
     read_header,
     read_snapshot,
+    read_tokens,
     tmp_writer_pid,
     write_snapshot,
 )
@@ -245,3 +246,23 @@ def test_read_into_rejects_a_flipped_byte(tmp_path: Path) -> None:
     with pytest.raises(SnapshotFileError) as e:
         read_snapshot(path, namespace=NAMESPACE, alloc=lambda *_: None)
     assert e.value.reason == "checksum"
+
+
+def test_read_tokens_needs_no_payload(tmp_path: Path) -> None:
+    path = tmp_path / "k.safetensors"
+    _write(path)
+    header = read_header(path)
+    data = bytearray(path.read_bytes())
+    t = header.tensors["layers.0.k"]
+    data[header.data_start + t.begin] ^= 0xFF  # a corrupt payload does not matter here
+    path.write_bytes(bytes(data))
+    assert read_tokens(path, namespace=NAMESPACE, key=KEY) == TOKENS_10
+    tok = header.tensors["meta.tokens"]
+    data[header.data_start + tok.begin] ^= 0x01  # ... but the tokens are verified
+    path.write_bytes(bytes(data))
+    with pytest.raises(SnapshotFileError) as e:
+        read_tokens(path, namespace=NAMESPACE, key=KEY)
+    assert e.value.reason == "checksum"
+    with pytest.raises(SnapshotFileError) as e:
+        read_tokens(path, namespace=OTHER_NAMESPACE)
+    assert e.value.reason == "foreign_namespace"
