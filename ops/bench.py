@@ -46,9 +46,9 @@ def _prompt_tokens(vocab: int, n: int) -> list[int]:
 def bench_engine(
     model: Path, dtype: torch.dtype, prefill_tokens: int, decode_tokens: int, chunk: int
 ) -> dict[str, Any]:
-    from keepwarm.engine.checkpoint import open_checkpoint
+    from keepwarm.engine.generation.runner import Runner
+    from keepwarm.engine.loading.checkpoint import open_checkpoint
     from keepwarm.engine.models import build_backend
-    from keepwarm.engine.runner import Runner
     from keepwarm.kernels.ops import ops_for
 
     dev = torch.device("cpu")
@@ -163,7 +163,7 @@ def _raw_read_gbps(path: Path) -> float:
 
 def _long_messages(engine: Any, target: int) -> list[dict[str, str]]:
     """A system prompt of real text sized so the rendered chat is about `target` tokens."""
-    corpus = (Path(__file__).resolve().parent.parent / "services/engine/data/corpus.txt").read_text()
+    corpus = (Path(__file__).resolve().parent.parent / "services/engine/demo/data/corpus.txt").read_text()
     words = corpus.split()
     lo, hi = 1, min(len(words), 2 * target)
     question = {"role": "user", "content": "Summarize the notes above in one sentence."}
@@ -178,8 +178,8 @@ def _long_messages(engine: Any, target: int) -> list[dict[str, str]]:
 
 
 def _req(msgs: list[dict[str, str]], max_tokens: int = 16) -> Any:
-    from keepwarm.engine.request import GenerateRequest
-    from keepwarm.engine.sampling import SamplingParams
+    from keepwarm.engine.generation.request import GenerateRequest
+    from keepwarm.engine.generation.sampling import SamplingParams
 
     return GenerateRequest(
         sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True), messages=tuple(msgs)

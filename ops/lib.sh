@@ -55,7 +55,7 @@ ensure_demo_model() {
   dir="${KEEPWARM_DEMO_DIR:-$KW_ROOT/models}/demo-$family"
   if [ ! -f "$dir/config.json" ]; then
     kw_log "making the $family demo model in $dir (first use)"
-    "$KW_PY" -m keepwarm.engine.demo_model --family "$family" "$dir" >&2
+    "$KW_PY" -m keepwarm.engine.demo.demo_model --family "$family" "$dir" >&2
   fi
   echo "$dir"
 }

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 @pytest.fixture(scope="session")
 def tiny_dense_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny qwen3 demo checkpoint with a real BPE tokenizer and ChatML template."""
-    from keepwarm.engine.demo_model import make_demo_model
+    from keepwarm.engine.demo.demo_model import make_demo_model
 
     path = tmp_path_factory.mktemp("models") / "tiny-dense"
     make_demo_model(path, family="dense", seed=0, size="tiny")
@@ -27,7 +27,7 @@ def tiny_dense_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_hybrid_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny qwen3_5 (Gated DeltaNet + gated attention) demo checkpoint."""
-    from keepwarm.engine.demo_model import make_demo_model
+    from keepwarm.engine.demo.demo_model import make_demo_model
 
     path = tmp_path_factory.mktemp("models") / "tiny-hybrid"
     make_demo_model(path, family="hybrid", seed=0, size="tiny")
@@ -37,7 +37,7 @@ def tiny_hybrid_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_deepseek_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny deepseek_v4 (sliding window + CSA/HCA compressed attention, mHC) demo checkpoint."""
-    from keepwarm.engine.demo_model import make_demo_model
+    from keepwarm.engine.demo.demo_model import make_demo_model
 
     path = tmp_path_factory.mktemp("models") / "tiny-deepseek_v4"
     make_demo_model(path, family="deepseek_v4", seed=0, size="tiny")

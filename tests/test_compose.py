@@ -477,7 +477,7 @@ ENTRY_MODULES = {
     "ui": ["keepwarm.ui.__main__", "keepwarm.ui.client", "keepwarm.ui.views", "keepwarm.ui.charts",
            "keepwarm.ui.panel", "keepwarm.ui.page_overview", "keepwarm.ui.page_sessions", "keepwarm.ui.page_cache",
            "keepwarm.ui.page_playground"],
-    "engine": ["keepwarm.engine.__main__", "keepwarm.engine.server"],
+    "engine": ["keepwarm.engine.__main__", "keepwarm.engine.serving.server"],
 }  # fmt: skip
 
 

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from keepwarm.engine.config import ConfigError, add_engine_args, config_from
-from keepwarm.engine.sampling import SamplingParams
+from keepwarm.engine.generation.sampling import SamplingParams
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -32,7 +32,7 @@ def _sampling(a: argparse.Namespace) -> SamplingParams:
 
 
 def _print_timings(ev: object) -> None:
-    from keepwarm.engine.request import FinishEvent
+    from keepwarm.engine.generation.request import FinishEvent
 
     assert isinstance(ev, FinishEvent)
     t = ev.timings
@@ -46,7 +46,7 @@ def _print_timings(ev: object) -> None:
 
 def _stream(engine: object, req: object) -> str:
     from keepwarm.engine.engine import Engine
-    from keepwarm.engine.request import FinishEvent, GenerateRequest, TokenEvent
+    from keepwarm.engine.generation.request import FinishEvent, GenerateRequest, TokenEvent
 
     assert isinstance(engine, Engine) and isinstance(req, GenerateRequest)
     text = ""
@@ -86,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         parser.error(str(e))
     if args.command == "serve":
-        from keepwarm.engine.server import serve as run_server
+        from keepwarm.engine.serving.server import serve as run_server
 
         try:
             run_server(cfg)
@@ -96,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
     from keepwarm.engine.engine import Engine
-    from keepwarm.engine.request import GenerateRequest
+    from keepwarm.engine.generation.request import GenerateRequest
 
     try:
         engine = Engine(cfg)

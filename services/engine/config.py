@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from keepwarm.engine.policy import Policy, parse_policy
+from keepwarm.engine.cache.policy import Policy, parse_policy
 
 DTYPES = {
     "bfloat16": torch.bfloat16,

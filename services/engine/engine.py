@@ -17,22 +17,22 @@ from typing import TypeAlias
 
 import torch
 
-from keepwarm.engine.backend import State
-from keepwarm.engine.chat_template import ChatTemplate
-from keepwarm.engine.checkpoint import open_checkpoint
+from keepwarm.engine.cache.disk_cache import DiskCache
+from keepwarm.engine.cache.memory_cache import MemoryCache
+from keepwarm.engine.cache.namespace import namespace_id, weights_fingerprint
+from keepwarm.engine.cache.policy import Policy
+from keepwarm.engine.cache.prefix_cache import Hit, PrefixCache, candidate_lengths, diverged_at
+from keepwarm.engine.cache.snapshot import Snapshot
+from keepwarm.engine.cache.snapshot_file import FORMAT_VERSION, Alloc
 from keepwarm.engine.config import EngineConfig
-from keepwarm.engine.disk_cache import DiskCache
-from keepwarm.engine.memory_cache import MemoryCache
+from keepwarm.engine.generation.request import FinishEvent, GenerateRequest, RequestError, Timings, TokenEvent
+from keepwarm.engine.generation.runner import Runner
+from keepwarm.engine.generation.sampling import Sampler
+from keepwarm.engine.loading.chat_template import ChatTemplate
+from keepwarm.engine.loading.checkpoint import open_checkpoint
+from keepwarm.engine.loading.tokenizer import Tokenizer
 from keepwarm.engine.models import build_backend
-from keepwarm.engine.namespace import namespace_id, weights_fingerprint
-from keepwarm.engine.policy import Policy
-from keepwarm.engine.prefix_cache import Hit, PrefixCache, candidate_lengths, diverged_at
-from keepwarm.engine.request import FinishEvent, GenerateRequest, RequestError, Timings, TokenEvent
-from keepwarm.engine.runner import Runner
-from keepwarm.engine.sampling import Sampler
-from keepwarm.engine.snapshot import Snapshot
-from keepwarm.engine.snapshot_file import FORMAT_VERSION, Alloc
-from keepwarm.engine.tokenizer import Tokenizer
+from keepwarm.engine.models.backend import State
 from keepwarm.kernels.ops import ops_for
 
 Event: TypeAlias = TokenEvent | FinishEvent

@@ -139,10 +139,10 @@ def start_valkey(workdir: Path) -> Proc:
 
 
 def make_demo_model(path: Path, size: str = "tiny") -> Path:
-    """`python -m keepwarm.engine.demo_model --size SIZE PATH` unless it exists."""
+    """`python -m keepwarm.engine.demo.demo_model --size SIZE PATH` unless it exists."""
     if not (path / "config.json").exists():
         subprocess.run(
-            [sys.executable, "-m", "keepwarm.engine.demo_model", "--size", size, str(path)],
+            [sys.executable, "-m", "keepwarm.engine.demo.demo_model", "--size", size, str(path)],
             check=True,
             capture_output=True,
             timeout=300,

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from keepwarm.engine.cache.policy import Policy
+from keepwarm.engine.cache.prefix_cache import SessionHint
 from keepwarm.engine.config import EngineConfig
 from keepwarm.engine.engine import Engine
-from keepwarm.engine.policy import Policy
-from keepwarm.engine.prefix_cache import SessionHint
-from keepwarm.engine.request import FinishEvent, GenerateRequest, RequestError
-from keepwarm.engine.sampling import SamplingParams
+from keepwarm.engine.generation.request import FinishEvent, GenerateRequest, RequestError
+from keepwarm.engine.generation.sampling import SamplingParams
 
 USER_TURNS = [
     "Tell me about the river and the old mill near the village.",

@@ -7,8 +7,8 @@ import importlib
 
 import torch
 
-from keepwarm.engine.backend import Backend
-from keepwarm.engine.checkpoint import Checkpoint, CheckpointError
+from keepwarm.engine.loading.checkpoint import Checkpoint, CheckpointError
+from keepwarm.engine.models.backend import Backend
 from keepwarm.kernels.ops import Ops
 
 MODEL_TYPE_TO_FAMILY = {

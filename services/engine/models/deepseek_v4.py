@@ -40,8 +40,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from keepwarm.engine.backend import State
-from keepwarm.engine.checkpoint import Checkpoint
+from keepwarm.engine.cache.snapshot import LOGITS, Geometry, Snapshot, SnapshotMismatch, TensorSpec
+from keepwarm.engine.loading.checkpoint import Checkpoint
+from keepwarm.engine.models.backend import State
 from keepwarm.engine.models.deepseek_v4_config import CSA, HASH_MOE, HCA, SLIDING, DeepseekV4Config
 from keepwarm.engine.models.deepseek_v4_weights import (
     demo_config,
@@ -51,7 +52,6 @@ from keepwarm.engine.models.deepseek_v4_weights import (
     weight_specs,
 )
 from keepwarm.engine.models.rope import Rope, build_rope
-from keepwarm.engine.snapshot import LOGITS, Geometry, Snapshot, SnapshotMismatch, TensorSpec
 from keepwarm.kernels.ops import Ops
 
 __all__ = ["DeepseekV4Backend", "build", "demo_config", "init_weights", "geometry_of"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from keepwarm.engine.checkpoint import CheckpointError
+from keepwarm.engine.loading.checkpoint import CheckpointError
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from keepwarm.engine.checkpoint import Checkpoint, CheckpointError
+from keepwarm.engine.loading.checkpoint import Checkpoint, CheckpointError
 from keepwarm.engine.models.deepseek_v4_config import CSA, HASH_MOE, SLIDING, DeepseekV4Config
 
 

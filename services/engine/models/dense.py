@@ -14,11 +14,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from keepwarm.engine.backend import State
-from keepwarm.engine.checkpoint import Checkpoint, CheckpointError
+from keepwarm.engine.cache.snapshot import LOGITS, Geometry, Snapshot, SnapshotMismatch, TensorSpec
+from keepwarm.engine.cache.snapshot_file import Alloc
+from keepwarm.engine.loading.checkpoint import Checkpoint, CheckpointError
+from keepwarm.engine.models.backend import State
 from keepwarm.engine.models.rope import Rope, build_rope
-from keepwarm.engine.snapshot import LOGITS, Geometry, Snapshot, SnapshotMismatch, TensorSpec
-from keepwarm.engine.snapshot_file import Alloc
 from keepwarm.kernels.ops import Ops
 
 

@@ -27,10 +27,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from keepwarm.engine.backend import State
-from keepwarm.engine.checkpoint import Checkpoint, CheckpointError
+from keepwarm.engine.cache.snapshot import LOGITS, Geometry, Snapshot, SnapshotMismatch, TensorSpec
+from keepwarm.engine.loading.checkpoint import Checkpoint, CheckpointError
+from keepwarm.engine.models.backend import State
 from keepwarm.engine.models.rope import Rope, build_rope
-from keepwarm.engine.snapshot import LOGITS, Geometry, Snapshot, SnapshotMismatch, TensorSpec
 from keepwarm.kernels.delta_rule import DeltaRuleOps, delta_rule_for
 from keepwarm.kernels.ops import Ops
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from keepwarm.engine.checkpoint import CheckpointError
+from keepwarm.engine.loading.checkpoint import CheckpointError
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from keepwarm.engine.checkpoint import open_checkpoint
+from keepwarm.engine.cache.snapshot import LOGITS, Snapshot, SnapshotMismatch
+from keepwarm.engine.loading.checkpoint import open_checkpoint
 from keepwarm.engine.models import build_backend
 from keepwarm.engine.models.deepseek_v4 import DeepseekV4Backend, demo_config, init_weights
-from keepwarm.engine.snapshot import LOGITS, Snapshot, SnapshotMismatch
 from keepwarm.kernels.ops import TORCH_OPS
 
 transformers = pytest.importorskip("transformers")
@@ -405,7 +405,7 @@ def test_bf16_matches_transformers_bf16(tmp_path: Path) -> None:
 
 
 def test_bad_config_raises_with_a_fix() -> None:
-    from keepwarm.engine.checkpoint import CheckpointError
+    from keepwarm.engine.loading.checkpoint import CheckpointError
     from keepwarm.engine.models.deepseek_v4_config import DeepseekV4Config
 
     cfg = demo_config("tiny")

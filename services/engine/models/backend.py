@@ -6,12 +6,13 @@ by some tokens and moves state in and out of snapshots.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
-from keepwarm.engine.snapshot import Geometry, Snapshot
+from keepwarm.engine.cache.snapshot import Geometry, Snapshot
 
 
 @dataclass
@@ -53,6 +54,16 @@ class Backend(Protocol):
         """Advance `state` by one token; return logits [vocab] float32."""
         ...
 
+    def step(self, states: Sequence[State], chunks: Sequence[torch.Tensor]) -> torch.Tensor:
+        """One batched forward: advance `states[i]` by `chunks[i]` [n_i] int64 (a decode
+        is a chunk of one token; sequences are distinct). Matrix products run over all
+        sum(n_i) tokens at once; attention and recurrent/compressed state per sequence.
+        Returns logits [len(states), vocab] float32 after each chunk's last token and
+        sets each `state.logits` and `state.position`. Each row must equal what
+        `prefill(states[i], chunks[i])` alone gives (same greedy tokens; float32 within
+        the family's parity tolerance)."""
+        ...
+
     def export(self, state: State) -> Snapshot:
         """Right-sized named views of `state` plus `sidecar.logits`; no copy."""
         ...
@@ -63,3 +74,10 @@ class Backend(Protocol):
         state of this backend whose buffers may be reused (their pages are already
         mapped, which makes a restore a plain memory copy)."""
         ...
+
+
+def step_each(backend: Backend, states: Sequence[State], chunks: Sequence[torch.Tensor]) -> torch.Tensor:
+    """`Backend.step` by one `prefill` per sequence: the reference a batched step is
+    tested against, and the fallback for a family without a batched forward."""
+    assert len(states) == len(chunks) and states, "step needs one chunk per state"
+    return torch.stack([backend.prefill(s, c) for s, c in zip(states, chunks, strict=True)])

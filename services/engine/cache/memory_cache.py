@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from keepwarm.engine.snapshot import Snapshot
+from keepwarm.engine.cache.snapshot import Snapshot
 
 
 @dataclass(frozen=True)

@@ -62,8 +62,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from keepwarm.engine.snapshot import Snapshot
-from keepwarm.engine.snapshot_file import (
+from keepwarm.engine.cache.snapshot import Snapshot
+from keepwarm.engine.cache.snapshot_file import (
     SUFFIX,
     TMP_SUFFIX,
     Alloc,

@@ -6,10 +6,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from keepwarm.engine.policy import PolicyError, policy_for_request
-from keepwarm.engine.prefix_cache import SessionHint
-from keepwarm.engine.request import FinishEvent, GenerateRequest, RequestError
-from keepwarm.engine.sampling import SamplingError, SamplingParams
+from keepwarm.engine.cache.policy import PolicyError, policy_for_request
+from keepwarm.engine.cache.prefix_cache import SessionHint
+from keepwarm.engine.generation.request import FinishEvent, GenerateRequest, RequestError
+from keepwarm.engine.generation.sampling import SamplingError, SamplingParams
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 

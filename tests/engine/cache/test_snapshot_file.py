@@ -12,8 +12,8 @@ import xxhash
 from safetensors import safe_open
 from snapshot_fixtures import NAMESPACE, OTHER_NAMESPACE, make_snapshot, same_bytes
 
-from keepwarm.engine.snapshot import Snapshot
-from keepwarm.engine.snapshot_file import (
+from keepwarm.engine.cache.snapshot import Snapshot
+from keepwarm.engine.cache.snapshot_file import (
     FORMAT_VERSION,
     TOKENS,
     SnapshotFileError,

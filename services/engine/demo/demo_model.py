@@ -1,7 +1,7 @@
 """Random-weight demo checkpoints in Hugging Face layout, written deterministically
 from a seed, so the stack runs and tests without downloading a model.
 
-    python -m keepwarm.engine.demo_model [--family dense|hybrid|deepseek_v4]
+    python -m keepwarm.engine.demo.demo_model [--family dense|hybrid|deepseek_v4]
         [--seed N] [--size small|tiny] [--force] DIR
 
 A folder holds config.json, model.safetensors (bf16), generation_config.json and a
@@ -38,7 +38,7 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
-from keepwarm.engine.snapshot_file import fsync_dir
+from keepwarm.engine.cache.snapshot_file import fsync_dir
 
 CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
 

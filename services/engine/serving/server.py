@@ -19,7 +19,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from keepwarm.engine.config import EngineConfig
 from keepwarm.engine.engine import Engine, Event
-from keepwarm.engine.openai_format import (
+from keepwarm.engine.generation.request import FinishEvent, RequestError, TokenEvent
+from keepwarm.engine.serving.openai_format import (
     chunk_body,
     completion_body,
     error_body,
@@ -27,8 +28,7 @@ from keepwarm.engine.openai_format import (
     parse_chat_request,
     usage_body,
 )
-from keepwarm.engine.request import FinishEvent, RequestError, TokenEvent
-from keepwarm.engine.worker import Job, QueueFull, Worker
+from keepwarm.engine.serving.worker import Job, QueueFull, Worker
 
 
 class EngineCollector:

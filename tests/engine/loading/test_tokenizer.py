@@ -11,8 +11,13 @@ import pytest
 from tokenizers import processors
 from transformers import AutoTokenizer
 
-from keepwarm.engine.demo_model import CHATML_SPECIAL_TOKENS, CHATML_TEMPLATE, tokenizer_config, train_bpe
-from keepwarm.engine.tokenizer import Tokenizer, TokenizerError
+from keepwarm.engine.demo.demo_model import (
+    CHATML_SPECIAL_TOKENS,
+    CHATML_TEMPLATE,
+    tokenizer_config,
+    train_bpe,
+)
+from keepwarm.engine.loading.tokenizer import Tokenizer, TokenizerError
 
 LLAMA3_SPECIAL = (
     "<|begin_of_text|>",

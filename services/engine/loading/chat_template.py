@@ -28,7 +28,7 @@ import jinja2.parser
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from keepwarm.engine.tokenizer import Tokenizer
+from keepwarm.engine.loading.tokenizer import Tokenizer
 
 Message = Mapping[str, Any]
 

@@ -12,11 +12,11 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from keepwarm.engine.disk_cache import DiskCache
-from keepwarm.engine.memory_cache import MemoryCache
-from keepwarm.engine.namespace import prefix_key, prefix_keys
-from keepwarm.engine.snapshot import Snapshot
-from keepwarm.engine.snapshot_file import Alloc, SnapshotFileError, read_tokens
+from keepwarm.engine.cache.disk_cache import DiskCache
+from keepwarm.engine.cache.memory_cache import MemoryCache
+from keepwarm.engine.cache.namespace import prefix_key, prefix_keys
+from keepwarm.engine.cache.snapshot import Snapshot
+from keepwarm.engine.cache.snapshot_file import Alloc, SnapshotFileError, read_tokens
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from keepwarm.engine.policy import Policy
-from keepwarm.engine.prefix_cache import SessionHint
-from keepwarm.engine.sampling import SamplingParams
+from keepwarm.engine.cache.policy import Policy
+from keepwarm.engine.cache.prefix_cache import SessionHint
+from keepwarm.engine.generation.sampling import SamplingParams
 
 
 class RequestError(ValueError):

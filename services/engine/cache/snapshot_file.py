@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 import xxhash
 
-from keepwarm.engine.snapshot import Snapshot
+from keepwarm.engine.cache.snapshot import Snapshot
 
 FORMAT_VERSION = 1
 FORMAT_NAME = "keepwarm.snapshot"

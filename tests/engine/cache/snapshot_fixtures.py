@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from keepwarm.engine.snapshot import LOGITS, Geometry, Snapshot, TensorSpec
+from keepwarm.engine.cache.snapshot import LOGITS, Geometry, Snapshot, TensorSpec
 
 VOCAB = 300
 NAMESPACE = "a1" * 16  # 32 hex, stands in for namespace_id(...)

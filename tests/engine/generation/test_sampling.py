@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from keepwarm.engine.sampling import Sampler, SamplingError, SamplingParams
+from keepwarm.engine.generation.sampling import Sampler, SamplingError, SamplingParams
 
 
 def test_greedy_is_argmax() -> None:

@@ -10,8 +10,14 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from keepwarm.engine import namespace as ns
-from keepwarm.engine.namespace import namespace_id, prefix_key, prefix_keys, text_hash, weights_fingerprint
+from keepwarm.engine.cache import namespace as ns
+from keepwarm.engine.cache.namespace import (
+    namespace_id,
+    prefix_key,
+    prefix_keys,
+    text_hash,
+    weights_fingerprint,
+)
 
 NS_FIELDS = dict(
     format_version=1,

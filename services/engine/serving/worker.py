@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from keepwarm.engine.engine import Engine, Event, Prompt
-from keepwarm.engine.request import GenerateRequest
+from keepwarm.engine.generation.request import GenerateRequest
 
 
 class QueueFull(Exception):

@@ -16,11 +16,11 @@ import torch
 from disk_cache_worker import LOOP_DIM, LOOP_HEADS, LOOP_POSITION, entry_tokens, loop_tokens
 from snapshot_fixtures import NAMESPACE, OTHER_NAMESPACE, geometry, make_snapshot, same_bytes, validator
 
-from keepwarm.engine import disk_cache as disk_cache_module
-from keepwarm.engine.disk_cache import HALF_LIFE_S, DiskCache, DiskCacheStats
-from keepwarm.engine.namespace import prefix_key
-from keepwarm.engine.snapshot import Snapshot
-from keepwarm.engine.snapshot_file import encode_snapshot, write_snapshot
+from keepwarm.engine.cache import disk_cache as disk_cache_module
+from keepwarm.engine.cache.disk_cache import HALF_LIFE_S, DiskCache, DiskCacheStats
+from keepwarm.engine.cache.namespace import prefix_key
+from keepwarm.engine.cache.snapshot import Snapshot
+from keepwarm.engine.cache.snapshot_file import encode_snapshot, write_snapshot
 
 WORKER = Path(__file__).with_name("disk_cache_worker.py")
 VALIDATE = validator()

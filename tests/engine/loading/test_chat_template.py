@@ -15,8 +15,8 @@ from transformers import AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_tokenizer import chatml_dir, llama3_dir, write_dir  # noqa: E402
 
-from keepwarm.engine.chat_template import ChatTemplate, ChatTemplateError  # noqa: E402
-from keepwarm.engine.tokenizer import Tokenizer  # noqa: E402
+from keepwarm.engine.loading.chat_template import ChatTemplate, ChatTemplateError  # noqa: E402
+from keepwarm.engine.loading.tokenizer import Tokenizer  # noqa: E402
 
 Msgs = list[dict[str, Any]]
 

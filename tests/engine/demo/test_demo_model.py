@@ -16,10 +16,10 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from keepwarm.engine import demo_model
-from keepwarm.engine.chat_template import ChatTemplate
-from keepwarm.engine.demo_model import dense_demo_config, make_demo_model
-from keepwarm.engine.tokenizer import Tokenizer
+from keepwarm.engine.demo import demo_model
+from keepwarm.engine.demo.demo_model import dense_demo_config, make_demo_model
+from keepwarm.engine.loading.chat_template import ChatTemplate
+from keepwarm.engine.loading.tokenizer import Tokenizer
 
 FILES = [
     "config.json",
@@ -189,7 +189,16 @@ def test_hybrid_family_uses_its_model_module(tmp_path: Path) -> None:
 
 def test_command_line(tmp_path: Path, tiny: Path) -> None:
     dest = tmp_path / "cli"
-    cmd = [sys.executable, "-m", "keepwarm.engine.demo_model", "--size", "tiny", "--seed", "7", str(dest)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "keepwarm.engine.demo.demo_model",
+        "--size",
+        "tiny",
+        "--seed",
+        "7",
+        str(dest),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "dense (qwen3), tiny, seed 7" in done.stdout

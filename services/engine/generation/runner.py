@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from keepwarm.engine.backend import Backend, State
-from keepwarm.engine.snapshot import Snapshot
+from keepwarm.engine.cache.snapshot import Snapshot
+from keepwarm.engine.models.backend import Backend, State
 
 OnSnapshot = Callable[[int, Snapshot], None]
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from snapshot_fixtures import make_snapshot, same_bytes
 
-from keepwarm.engine.memory_cache import MemoryCache, MemoryCacheStats
+from keepwarm.engine.cache.memory_cache import MemoryCache, MemoryCacheStats
 
 # make_snapshot(p): k and v p*2*8 bf16 (32p B each) + state 64 B + logits 1200 B
 SIZE_4 = 2 * 32 * 4 + 64 + 1200  # 1520
