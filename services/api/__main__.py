@@ -5,12 +5,14 @@ Every flag also reads its KEEPWARM_* variable (see keepwarm.api.config)."""
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
 import uvicorn
 
 from keepwarm.api.app import create_app
+from keepwarm.api.bootstrap import first_start
 from keepwarm.api.config import ConfigError, parse_config
 
 
@@ -18,7 +20,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health poll otherwise
     try:
-        config = parse_config(sys.argv[1:] if argv is None else argv)
+        config = parse_config(sys.argv[1:] if argv is None else argv, first_start(os.environ))
     except ConfigError as e:
         print(f"keepwarm.api: {e}", file=sys.stderr)
         return 2

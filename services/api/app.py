@@ -2,12 +2,15 @@
 
 POST /v1/chat/completions, per request:
   auth (Bearer key -> tenant) -> per-tenant rate limit (429) -> body size (413)
-  -> JSON/`messages` checks (400 naming the field) -> client `cache_salt` and
+  -> bounded JSON (depth, message count, every numeric field's range: 400/413
+  naming the field or limit, see chat_body) -> client `cache_salt` and
   `session_hint` dropped; `cache_salt` = HMAC(secret, tenant); the session's last
   prefix key from Redis sent as `session_hint` -> the first healthy engine in
-  affinity order; a connection failure before anything reached the client
-  (connect error, engine gone before its headers, engine 503) moves on to the
-  next engine -> the answer passed through.
+  affinity order; a failure before anything reached the client (connect error,
+  timeout, engine gone before its headers, engine 503 or 429, engine marked down
+  by the health poller while the request waited, e.g. a paused process) moves
+  on to the next engine -> the answer passed through. When every engine
+  answered 429, the client gets the shortest Retry-After among them.
 
 Streaming is passed through line by line as bytes arrive (no buffering beyond
 one SSE line). The one chunk carrying `usage` is parsed on the way: its
@@ -22,8 +25,19 @@ the generation: streaming via litestar's disconnect listener cancelling the
 relay (plus a background close as a backstop), non-streaming by racing the
 engine call against the client's `http.disconnect`.
 
-Redis trouble never fails a chat request: sessions, stats and the rate limit
-degrade (logged); the Redis-only endpoints answer 503.
+Every engine request carries `Authorization: Bearer <engine token>` when one is
+configured (engines refuse anyone else).
+
+Tenant isolation: /v1/stats, /v1/sessions and /v1/cache answer only about the
+caller's tenant (cache entries: the keys engines reported for the tenant's
+requests; per-engine rows: shared capacity figures, never another request's
+counters, keys or paths). DELETE /v1/cache, and listing every tenant's entries,
+are for KEEPWARM_ADMIN_TENANTS only; by default no tenant is admin.
+
+Redis trouble never fails a chat request: every Redis call has a short socket
+timeout and no retries, behind a circuit breaker (see breaker), so a dead or
+hung Redis costs one timeout and then nothing; sessions, stats and the rate
+limit degrade (logged once per outage); the Redis-only endpoints answer 503.
 """
 
 from __future__ import annotations
@@ -44,9 +58,13 @@ from litestar import Litestar, Request, Response, delete, get, post
 from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from keepwarm.api.auth import Authenticator, Caller
+from keepwarm.api.breaker import Breaker, RedisUnavailable
+from keepwarm.api.chat_body import parse_chat_body
 from keepwarm.api.config import GatewayConfig
 from keepwarm.api.engines import EnginePool
 from keepwarm.api.errors import ApiError, handle_exception, upstream_error
@@ -54,6 +72,7 @@ from keepwarm.api.rate_limit import RateLimiter
 from keepwarm.api.record import RequestRecord
 from keepwarm.api.sessions import SessionStore, check_session_id
 from keepwarm.api.stats import StatsStore
+from keepwarm.api.tenant_keys import TenantKeys
 
 log = logging.getLogger("keepwarm.api")
 
@@ -61,12 +80,17 @@ log = logging.getLogger("keepwarm.api")
 # seen part of; the request moves on to the next engine.
 _FAILOVER_ERRORS = (
     httpx.ConnectError,
-    httpx.ConnectTimeout,
+    httpx.TimeoutException,  # connect, read (no headers / body in time), write, pool
     httpx.RemoteProtocolError,
     httpx.ReadError,
     httpx.WriteError,
-    httpx.PoolTimeout,
 )
+# What a tenant that is not admin sees of an engine's cache stats: the shared
+# capacity, nothing about other tenants' requests (counters, keys, paths).
+_SHARED_STATS = {
+    "memory": ("entries", "bytes", "budget_bytes"),
+    "disk": ("num_entries", "num_bytes", "budget_bytes", "min_free_bytes", "free_bytes", "evictions"),
+}
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -77,32 +101,7 @@ class Turn:
     caller: Caller
     session: str | None
     engine: str
-
-
-def parse_chat_body(raw: bytes) -> dict[str, Any]:
-    """The request object, or a 400 naming what is wrong. Only what the gateway
-    itself relies on is checked; the engine validates the rest (and names it)."""
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"request body is not valid JSON ({e}); send a JSON object") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "request body must be a JSON object with a 'messages' list")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(
-            400, "'messages' is required: a non-empty list of {role, content} objects", param="messages"
-        )
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ApiError(
-                400, f"messages[{i}] must be an object with a string 'role'", param=f"messages[{i}].role"
-            )
-    if "stream" in body and not isinstance(body["stream"], bool):
-        raise ApiError(400, "'stream' must be true or false", param="stream")
-    if "user" in body and body["user"] is not None and not isinstance(body["user"], str):
-        raise ApiError(400, "'user' must be a string", param="user")
-    return body
+    usage_to_client: bool = True  # streams: the client asked for stream_options.include_usage
 
 
 async def read_body(request: Request[Any, Any, Any], limit: int) -> bytes:
@@ -138,16 +137,28 @@ class Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self.auth = Authenticator(config.api_keys, config.secret)
+        # No retries: one attempt bounded by the socket timeouts; the breaker decides the rest.
         self.redis: Redis = Redis.from_url(
-            config.redis_url, decode_responses=True, socket_timeout=5, socket_connect_timeout=2
+            config.redis_url,
+            decode_responses=True,
+            socket_timeout=config.redis_timeout_s,
+            socket_connect_timeout=config.redis_timeout_s,
+            retry=Retry(NoBackoff(), 0),
         )
+        self.breaker = Breaker(cooldown_s=config.redis_cooldown_s)
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(
                 connect=config.connect_timeout_s, read=config.read_timeout_s, write=30.0, pool=10.0
             ),
             limits=httpx.Limits(max_connections=1000, max_keepalive_connections=64),
+            headers={"Authorization": f"Bearer {config.engine_token}"} if config.engine_token else None,
         )
-        self.pool = EnginePool(config.engines, self.client, interval_s=config.health_interval_s)
+        self.pool = EnginePool(
+            config.engines,
+            self.client,
+            interval_s=config.health_interval_s,
+            probe_timeout_s=config.health_timeout_s,
+        )
         self.sessions = SessionStore(
             self.redis,
             prefix=config.redis_prefix,
@@ -157,6 +168,7 @@ class Gateway:
         self.stats = StatsStore(
             self.redis, prefix=config.redis_prefix, recent_len=config.recent_len, ttft_len=config.ttft_len
         )
+        self.tenant_keys = TenantKeys(self.redis, prefix=config.redis_prefix, ttl_s=config.session_ttl_s)
         self.limiter = (
             RateLimiter(
                 self.redis, prefix=config.redis_prefix, limit=config.rate_limit, window_s=config.rate_window_s
@@ -164,34 +176,43 @@ class Gateway:
             if config.rate_limit > 0
             else None
         )
-        self._poller: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
 
     async def open(self) -> None:
         await self.pool.probe_all()
-        try:
-            await self.stats.start(time.time())
-        except RedisError as e:
-            log.warning("redis unavailable at start (%s); sessions and stats wait for it", e)
-        self._poller = asyncio.create_task(self.pool.run(), name="engine-health")
+        self._tasks = [
+            asyncio.create_task(self.pool.run(), name="engine-health"),
+            asyncio.create_task(self.breaker.watch(self.redis.ping), name="redis-breaker"),
+        ]
 
     async def close(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._poller
+                await task
         await self.client.aclose()
         await self.redis.aclose()
+
+    def is_admin(self, caller: Caller) -> bool:
+        return caller.tenant in self.config.admin_tenants
+
+    async def redis_do(self, coro: Any, what: str) -> Any:
+        """A Redis call for something a chat can do without: None when Redis is
+        not answering (logged once per outage by the breaker, or here for other errors)."""
+        try:
+            return await self.breaker.call(coro)
+        except RedisUnavailable:
+            return None
+        except RedisError as e:
+            log.warning("%s skipped, redis error: %s", what, e)
+            return None
 
     # -- chat ------------------------------------------------------------
 
     async def check_rate(self, caller: Caller) -> None:
         if self.limiter is None:
             return
-        try:
-            wait = await self.limiter.retry_after(caller.tenant, time.time())
-        except RedisError as e:
-            log.warning("rate limit not enforced, redis unavailable: %s", e)
-            return
+        wait = await self.redis_do(self.limiter.retry_after(caller.tenant, time.time()), "rate limit")
         if wait is not None:
             raise ApiError(
                 429,
@@ -216,26 +237,30 @@ class Gateway:
         return ApiError(503, f"no healthy engine, retry later ({down})", headers={"Retry-After": str(retry)})
 
     async def remember(self, turn: Turn, usage: Any, keepwarm: Any) -> None:
-        """Session + stats for one finished request; Redis trouble is logged only."""
+        """Session, stats and the tenant's cache key for one finished request;
+        Redis trouble costs the record, never the answer."""
         if not isinstance(usage, dict):
             return
+        now = time.time()
         rec = RequestRecord.from_usage(
-            usage, ts=time.time(), session=turn.session, tenant=turn.caller.tenant, engine=turn.engine
+            usage, ts=now, session=turn.session, tenant=turn.caller.tenant, engine=turn.engine
         )
         kw = keepwarm if isinstance(keepwarm, dict) else {}
         key = kw.get("prefix_key") if isinstance(kw.get("prefix_key"), str) else None
         tokens = kw.get("prefix_tokens") if isinstance(kw.get("prefix_tokens"), int) else 0
-        try:
-            if turn.session is not None:
-                await self.sessions.record_turn(turn.caller.tenant, turn.session, rec, key, tokens)
-            await self.stats.record(rec)
-        except RedisError as e:
-            log.warning("session/stats not recorded, redis unavailable: %s", e)
+        if turn.session is not None:
+            await self.redis_do(
+                self.sessions.record_turn(turn.caller.tenant, turn.session, rec, key, tokens),
+                "session record",
+            )
+        if key:
+            await self.redis_do(self.tenant_keys.add(turn.caller.tenant, key, now), "cache key record")
+        await self.redis_do(self.stats.record(rec), "stats record")
 
     async def chat(self, request: Request[Any, Any, Any]) -> Response[Any]:
         caller = self.auth.authenticate(request.headers.get("authorization"))
         await self.check_rate(caller)
-        body = parse_chat_body(await read_body(request, self.config.max_body_bytes))
+        body = parse_chat_body(await read_body(request, self.config.max_body_bytes), self.config.max_messages)
         sid: str | None = None
         if request.headers.get("x-session-id"):
             sid = check_session_id(request.headers["x-session-id"], "X-Session-Id")
@@ -246,21 +271,25 @@ class Gateway:
         body["cache_salt"] = caller.salt
         session = None
         if sid is not None:
-            try:
-                session = await self.sessions.get(caller.tenant, sid)
-            except RedisError as e:
-                log.warning("session %s not read, redis unavailable: %s", sid, e)
+            session = await self.redis_do(self.sessions.get(caller.tenant, sid), "session read")
         if session is not None and session.key:
             body["session_hint"] = {"key": session.key, "tokens": session.tokens}
-        payload = json.dumps(body).encode()
         streaming = body.get("stream") is True
+        usage_to_client = True
+        options = body.get("stream_options")
+        if streaming and (options is None or isinstance(options, dict)):
+            # The gateway needs the usage chunk (sessions, stats); the client gets it only if it asked.
+            usage_to_client = isinstance(options, dict) and options.get("include_usage") is True
+            body["stream_options"] = {**(options or {}), "include_usage": True}
+        payload = json.dumps(body).encode()
         affinity, preferred = sid or caller.tenant, session.engine if session else None
         tried: set[str] = set()
+        full: list[ApiError] = []  # engines that answered 429
         engines = await self.healthy_engines(affinity, preferred)
         while engines:
             for url in engines:
                 tried.add(url)
-                turn = Turn(caller=caller, session=sid, engine=url)
+                turn = Turn(caller=caller, session=sid, engine=url, usage_to_client=usage_to_client)
                 try:
                     if streaming:
                         return await self._stream(turn, payload)
@@ -268,12 +297,35 @@ class Gateway:
                 except _FAILOVER_ERRORS as e:
                     self.pool.mark_down(url, f"{type(e).__name__}: {e}")
                     log.warning("engine %s failed before answering (%s); trying the next", url, e)
+                except _EngineLost:
+                    log.warning("engine %s went down while the request waited; trying the next", url)
                 except _EngineBusy:
                     log.warning("engine %s answered 503; trying the next", url)
+                except _EngineFull as e:
+                    full.append(e.error)
             # Every engine believed healthy failed: one fresh look for engines that came back.
             await self.pool.probe_all()
             engines = [u for u in self.pool.candidates(affinity, preferred) if u not in tried]
+        if full:
+            raise min(full, key=_retry_after)
         raise self.no_engine()
+
+    async def _until_lost(self, url: str) -> None:
+        await self.pool.lost(url).wait()
+
+    async def _race_loss(self, turn: Turn, work: asyncio.Task[Any], *others: asyncio.Task[Any]) -> None:
+        """Waits for `work` or any of `others`; if the engine is marked down first,
+        `work` is cancelled (closing the upstream request) and _EngineLost raised."""
+        lost = asyncio.create_task(self._until_lost(turn.engine))
+        try:
+            await asyncio.wait({work, lost, *others}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            lost.cancel()
+        if not work.done() and lost.done() and not lost.cancelled():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError, *_FAILOVER_ERRORS):
+                await work
+            raise _EngineLost()
 
     async def _open(self, turn: Turn, payload: bytes) -> httpx.Response:
         """The engine's response with headers read; non-200 answers raise."""
@@ -291,7 +343,10 @@ class Gateway:
                 await resp.aclose()
             if resp.status_code == 503:
                 raise _EngineBusy()
-            raise upstream_error(resp.status_code, err, resp.headers)
+            error = upstream_error(resp.status_code, err, resp.headers)
+            if resp.status_code == 429:
+                raise _EngineFull(error)
+            raise error
         return resp
 
     async def _complete(self, turn: Turn, payload: bytes, request: Request[Any, Any, Any]) -> Response[Any]:
@@ -305,7 +360,7 @@ class Gateway:
         answer = asyncio.create_task(call())
         gone = asyncio.create_task(_until_disconnect(request))
         try:
-            await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+            await self._race_loss(turn, answer, gone)
         finally:
             gone.cancel()
             if not answer.done():
@@ -328,7 +383,13 @@ class Gateway:
         return Response(content=json.dumps(data).encode(), media_type="application/json")
 
     async def _stream(self, turn: Turn, payload: bytes) -> Response[Any]:
-        resp = await self._open(turn, payload)
+        opening = asyncio.create_task(self._open(turn, payload))
+        try:
+            await self._race_loss(turn, opening)
+        finally:
+            if not opening.done():  # this request itself was cancelled (client gone)
+                opening.cancel()
+        resp = opening.result()
         return Stream(
             self._relay(turn, resp),
             media_type="text/event-stream",
@@ -338,6 +399,7 @@ class Gateway:
 
     async def _relay(self, turn: Turn, resp: httpx.Response) -> AsyncIterator[bytes]:
         pending = b""
+        skip_blank = False
         try:
             async for chunk in resp.aiter_bytes():
                 pending += chunk
@@ -346,10 +408,18 @@ class Gateway:
                     continue
                 out: list[bytes] = []
                 for line in lines:
+                    if skip_blank and not line:
+                        skip_blank = False
+                        continue
                     if line.startswith(b"data:") and b'"usage"' in line:
-                        line = await self._usage_line(turn, line)
+                        kept = await self._usage_line(turn, line)
+                        if kept is None:  # the client did not ask for usage: drop the whole event
+                            skip_blank = True
+                            continue
+                        line = kept
                     out.append(line + b"\n")
-                yield b"".join(out)
+                if out:
+                    yield b"".join(out)
             if pending:
                 yield pending
         except httpx.HTTPError as e:
@@ -363,8 +433,9 @@ class Gateway:
             with anyio.CancelScope(shield=True):
                 await resp.aclose()
 
-    async def _usage_line(self, turn: Turn, line: bytes) -> bytes:
-        """The usage chunk with its `keepwarm` object removed, after recording it."""
+    async def _usage_line(self, turn: Turn, line: bytes) -> bytes | None:
+        """The usage chunk with its `keepwarm` object removed, after recording it;
+        None (drop it) when the client did not ask for usage."""
         try:
             obj = json.loads(line[5:])
         except ValueError:
@@ -373,6 +444,8 @@ class Gateway:
             return line
         keepwarm = obj.pop("keepwarm", None)
         await self.remember(turn, obj["usage"], keepwarm)
+        if not turn.usage_to_client:
+            return None
         return b"data: " + json.dumps(obj).encode() if keepwarm is not None else line
 
     # -- everything else -------------------------------------------------
@@ -391,9 +464,15 @@ class Gateway:
             raise self.no_engine()
         return {"object": "list", "data": list(seen.values())}
 
-    async def cache(self, top: int) -> dict[str, Any]:
-        """Each engine's namespace and cache stats with its `top` most-hit disk
-        entries, plus the `top` most-hit entries over all engines (each naming its engine)."""
+    async def cache(self, caller: Caller, top: int) -> dict[str, Any]:
+        """Each engine's namespace and cache figures with the caller's `top` most-hit
+        disk entries, plus the `top` most-hit entries over all engines (each naming
+        its engine). A tenant sees only its own entries and the engines' shared
+        capacity; an admin tenant sees every entry and every figure."""
+        admin = self.is_admin(caller)
+        own: set[str] | None = None
+        if not admin:
+            own = await self.redis_call("cache listing", self.tenant_keys.of(caller.tenant))
 
         def rank(e: dict[str, Any]) -> tuple[float, float]:
             return (float(e.get("hits") or 0), float(e.get("last_used") or 0))
@@ -407,18 +486,23 @@ class Gateway:
                 return row | {"error": f"{type(e).__name__}: {e}", "entries": []}
             if not isinstance(data, dict):
                 return row | {"error": f"engine answered HTTP {r.status_code}", "entries": []}
-            entries = [e | {"engine": url} for e in data.get("entries") or [] if isinstance(e, dict)]
+            entries = [
+                e | {"engine": url}
+                for e in data.get("entries") or []
+                if isinstance(e, dict) and (own is None or e.get("key") in own)
+            ]
             entries.sort(key=rank, reverse=True)
+            stats = data.get("stats") if isinstance(data.get("stats"), dict) else {}
             return row | {
                 "namespace": data.get("namespace"),
-                "stats": data.get("stats", {}),
+                "stats": stats if admin else _shared_stats(stats),
                 "total_entries": len(entries),
                 "entries": entries[:top],
             }
 
         engines = list(await asyncio.gather(*(one(u) for u in self.pool.urls)))
         merged = sorted((e for row in engines for e in row["entries"]), key=rank, reverse=True)
-        return {"engines": engines, "entries": merged[:top]}
+        return {"tenant": caller.tenant, "engines": engines, "entries": merged[:top]}
 
     async def clear_cache(self) -> dict[str, Any]:
         async def one(url: str) -> dict[str, Any]:
@@ -434,10 +518,38 @@ class Gateway:
         return {"deleted": sum(r["deleted"] for r in rows), "engines": rows}
 
     async def redis_call(self, what: str, coro: Any) -> Any:
+        """For the Redis-only endpoints: the result, or a 503 saying Redis is down."""
         try:
-            return await coro
+            return await self.breaker.call(coro)
         except RedisError as e:
             raise ApiError(503, f"{what} unavailable: redis is not reachable ({e}); retry later") from None
+
+
+def _shared_stats(stats: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for tier, names in _SHARED_STATS.items():
+        section = stats.get(tier)
+        out[tier] = {n: section[n] for n in names if n in section} if isinstance(section, dict) else None
+    return out
+
+
+def _retry_after(e: ApiError) -> float:
+    try:
+        return float(e.headers.get("Retry-After") or e.headers.get("retry-after") or math.inf)
+    except ValueError:
+        return math.inf
+
+
+class _EngineLost(Exception):
+    """The engine was marked down while the request waited for it; nothing reached the client."""
+
+
+class _EngineFull(Exception):
+    """An engine answered 429 (its queue is full); another may have room."""
+
+    def __init__(self, error: ApiError) -> None:
+        super().__init__(error.message)
+        self.error = error
 
 
 class _EngineBusy(Exception):
@@ -469,18 +581,20 @@ def create_app(config: GatewayConfig) -> Litestar:
 
     @get("/health")
     async def health() -> dict[str, Any]:
-        try:
-            redis_ok = bool(await gw.redis.ping())
-        except RedisError:
-            redis_ok = False
+        redis_ok = bool(await gw.redis_do(gw.redis.ping(), "health ping"))
         engines = gw.pool.status()
         ok = all(e["healthy"] for e in engines) and redis_ok
-        return {"status": "ok" if ok else "degraded", "engines": engines, "redis": redis_ok}
+        return {
+            "status": "ok" if ok else "degraded",
+            "engines": engines,
+            "redis": redis_ok,
+            "redis_circuit": gw.breaker.state().as_dict(),
+        }
 
     @get("/v1/stats")
     async def stats(request: Request[Any, Any, Any]) -> dict[str, Any]:
-        caller_of(request)
-        return await gw.redis_call("stats", gw.stats.snapshot(gw.pool.status()))
+        caller = caller_of(request)
+        return await gw.redis_call("stats", gw.stats.snapshot(caller.tenant, gw.pool.status()))
 
     @get("/v1/sessions")
     async def sessions(request: Request[Any, Any, Any], limit: int = 100) -> dict[str, Any]:
@@ -501,16 +615,18 @@ def create_app(config: GatewayConfig) -> Litestar:
 
     @get("/v1/cache")
     async def cache(request: Request[Any, Any, Any], top: int = 20) -> dict[str, Any]:
-        caller_of(request)
-        return await gw.cache(max(0, min(top, 1000)))
+        caller = caller_of(request)
+        return await gw.cache(caller, max(0, min(top, 1000)))
 
     @delete("/v1/cache", status_code=200)
     async def clear_cache(request: Request[Any, Any, Any]) -> dict[str, Any]:
         caller = caller_of(request)
-        admins = gw.config.admin_tenants
-        if admins and caller.tenant not in admins:
+        if not gw.is_admin(caller):
+            who = ", ".join(gw.config.admin_tenants) or "no tenant (it is empty)"
             raise ApiError(
-                403, f"tenant {caller.tenant!r} may not clear the cache; KEEPWARM_ADMIN_TENANTS lists who may"
+                403,
+                f"tenant {caller.tenant!r} may not clear the cache, which every tenant shares; "
+                f"KEEPWARM_ADMIN_TENANTS lists who may: {who}",
             )
         return await gw.clear_cache()
 

@@ -13,16 +13,30 @@ Environment (a flag overrides its variable):
   KEEPWARM_MAX_BODY_BYTES   largest accepted request body           (--max-body-bytes)
   KEEPWARM_SESSION_TTL      seconds a session is remembered         (--session-ttl)
   KEEPWARM_HEALTH_INTERVAL  seconds between engine health polls     (--health-interval)
-  KEEPWARM_ADMIN_TENANTS    tenants allowed to DELETE /v1/cache; empty = every tenant (--admin-tenants)
+  KEEPWARM_HEALTH_TIMEOUT   seconds one engine health probe may take  (--health-timeout)
+  KEEPWARM_ADMIN_TENANTS    tenants allowed to DELETE /v1/cache and list every tenant's
+                            cache entries; empty (the default) = no tenant   (--admin-tenants)
+  KEEPWARM_ENGINE_TOKEN / KEEPWARM_ENGINE_TOKEN_FILE
+                            the engines' shared token, sent as `Authorization: Bearer`
+                            (environment or file only: never a command-line argument)
+  KEEPWARM_MAX_MESSAGES     most `messages` one chat request may carry  (--max-messages)
+  KEEPWARM_REDIS_TIMEOUT    seconds one Redis call may take            (--redis-timeout)
+  KEEPWARM_REDIS_COOLDOWN   seconds between pings while Redis is down  (--redis-cooldown)
+
+Tenant names are 1-64 of [A-Za-z0-9_.-]: they are part of Redis keys, so no
+name may contain the ':' that separates a tenant from a session id.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+TENANT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 class ConfigError(ValueError):
@@ -42,13 +56,18 @@ class GatewayConfig:
     max_body_bytes: int = 1024 * 1024
     session_ttl_s: int = 7 * 24 * 3600
     health_interval_s: float = 2.0
+    health_timeout_s: float = 2.0  # one /health probe; 3 in a row time out = down
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 600.0  # engines send SSE keep-alives during long prefills
     timeline_len: int = 100  # per-session request records kept
     recent_len: int = 200  # global recent request records kept for /v1/stats
     ttft_len: int = 500  # recent TTFT values kept per class (cold / warm)
     redis_prefix: str = "keepwarm:"
-    admin_tenants: tuple[str, ...] = ()  # who may clear the engines' caches; () = every tenant
+    admin_tenants: tuple[str, ...] = ()  # who may clear / list the whole cache; () = nobody
+    engine_token: str = field(default="", repr=False)  # "" = engines run without one
+    max_messages: int = 1024
+    redis_timeout_s: float = 0.5  # per Redis call (socket), no retries: the breaker decides
+    redis_cooldown_s: float = 5.0
 
     def validate(self) -> GatewayConfig:
         if not self.engines:
@@ -68,6 +87,15 @@ class GatewayConfig:
             raise ConfigError("--rate-limit must be >= 0 and --rate-window > 0")
         if self.max_body_bytes <= 0 or self.session_ttl_s <= 0 or self.health_interval_s <= 0:
             raise ConfigError("--max-body-bytes, --session-ttl and --health-interval must be positive")
+        for name in ("health_timeout_s", "redis_timeout_s", "redis_cooldown_s", "max_messages"):
+            if getattr(self, name) <= 0:
+                flag = name.removesuffix("_s").replace("_", "-")
+                raise ConfigError(f"--{flag} (KEEPWARM_{flag.replace('-', '_').upper()}) must be positive")
+        for tenant in {*self.api_keys.values(), *self.admin_tenants}:
+            if not TENANT_NAME.fullmatch(tenant):
+                raise ConfigError(f"tenant name {tenant!r}: use 1-64 of the characters A-Z a-z 0-9 _ . -")
+        if self.engine_token and len(self.engine_token) < 16:
+            raise ConfigError("KEEPWARM_ENGINE_TOKEN must be at least 16 characters (or unset)")
         return self
 
 
@@ -116,7 +144,13 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", default=None, type=int)
     p.add_argument("--session-ttl", default=None, type=int)
     p.add_argument("--health-interval", default=None, type=float)
-    p.add_argument("--admin-tenants", default=None, help="'tenantA,tenantB': who may DELETE /v1/cache")
+    p.add_argument("--health-timeout", default=None, type=float)
+    p.add_argument(
+        "--admin-tenants", default=None, help="'tenantA,tenantB': who may DELETE /v1/cache (default: nobody)"
+    )
+    p.add_argument("--max-messages", default=None, type=int)
+    p.add_argument("--redis-timeout", default=None, type=float)
+    p.add_argument("--redis-cooldown", default=None, type=float)
 
 
 def config_from(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> GatewayConfig:
@@ -152,6 +186,13 @@ def config_from(args: argparse.Namespace, env: Mapping[str, str] | None = None) 
     keys_text = pick(args.api_keys, "KEEPWARM_API_KEYS")
     if keys_text:
         keys.update(parse_api_keys(keys_text))
+    token = env.get("KEEPWARM_ENGINE_TOKEN") or ""
+    if not token and env.get("KEEPWARM_ENGINE_TOKEN_FILE"):
+        path = Path(env["KEEPWARM_ENGINE_TOKEN_FILE"])
+        try:
+            token = path.read_text().strip()
+        except OSError as e:
+            raise ConfigError(f"cannot read KEEPWARM_ENGINE_TOKEN_FILE {str(path)!r}: {e.strerror}") from None
     return GatewayConfig(
         engines=tuple(u.strip().rstrip("/") for u in engines),
         redis_url=pick(args.redis_url, "KEEPWARM_REDIS_URL", "REDIS_URL") or "redis://127.0.0.1:6379/0",
@@ -164,11 +205,16 @@ def config_from(args: argparse.Namespace, env: Mapping[str, str] | None = None) 
         max_body_bytes=int(number(args.max_body_bytes, "KEEPWARM_MAX_BODY_BYTES", 1024 * 1024, int)),
         session_ttl_s=int(number(args.session_ttl, "KEEPWARM_SESSION_TTL", 7 * 24 * 3600, int)),
         health_interval_s=number(args.health_interval, "KEEPWARM_HEALTH_INTERVAL", 2.0, float),
+        health_timeout_s=number(args.health_timeout, "KEEPWARM_HEALTH_TIMEOUT", 2.0, float),
         admin_tenants=tuple(
             t.strip()
             for t in (pick(args.admin_tenants, "KEEPWARM_ADMIN_TENANTS") or "").split(",")
             if t.strip()
         ),
+        engine_token=token,
+        max_messages=int(number(args.max_messages, "KEEPWARM_MAX_MESSAGES", 1024, int)),
+        redis_timeout_s=number(args.redis_timeout, "KEEPWARM_REDIS_TIMEOUT", 0.5, float),
+        redis_cooldown_s=number(args.redis_cooldown, "KEEPWARM_REDIS_COOLDOWN", 5.0, float),
     ).validate()
 
 

@@ -4,7 +4,10 @@ Health comes from polling GET /health (a background task, every
 `interval_s`) and from requests themselves: a connection error marks an engine
 down at once. An engine is healthy when /health answers 200 with status "ok".
 A slow /health (busy CPU) is only held against an engine after
-`timeouts_to_down` consecutive timeouts, so a long prefill does not flap it.
+`timeouts_to_down` consecutive timeouts, so a long prefill does not flap it;
+a paused or hung engine is down after that many probe timeouts, and every
+request still waiting on it is told at once (`lost(url)`), so it can fail over
+instead of waiting out its read timeout.
 
 Routing order for a request: the session's engine first when it is healthy
 (its memory tier holds the session's state), then every other healthy engine
@@ -19,7 +22,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -39,6 +42,8 @@ class EngineHealth:
     queue_depth: int = 0
     model: str = ""
     namespace: str = ""
+    # Set when the engine goes down; replaced by a fresh one when it is healthy again.
+    lost: asyncio.Event = field(default_factory=asyncio.Event)
 
     def public(self) -> dict[str, Any]:
         return {"url": self.url, "healthy": self.healthy}
@@ -114,6 +119,10 @@ class EnginePool:
                 log.exception("engine health poll failed")
             await asyncio.sleep(self._interval)
 
+    def lost(self, url: str) -> asyncio.Event:
+        """An event set as soon as `url` is marked down (the one current now)."""
+        return self._engines[url].lost
+
     def mark_down(self, url: str, reason: str) -> None:
         self._set(self._engines[url], False, reason)
 
@@ -126,6 +135,10 @@ class EnginePool:
                 "healthy" if healthy else "down",
                 f" ({error})" if error else "",
             )
+        if healthy and not e.healthy:
+            e.lost = asyncio.Event()
+        elif not healthy:
+            e.lost.set()
         e.healthy = healthy
         e.error = error
 

@@ -1,13 +1,14 @@
-"""Cache and latency statistics in Redis, so every gateway process adds to the
-same counters and a gateway restart keeps them. Read back by GET /v1/stats.
+"""Cache and latency statistics in Redis, per tenant, so every gateway process
+adds to the same counters and a gateway restart keeps them. Read back by
+GET /v1/stats, which answers only about the caller's tenant.
 
-Layout (P = config.redis_prefix):
-  P stats:totals      hash  integer counters (requests, hits, tokens, hits_memory, hits_disk,
-                            restore_bytes) and float sums in ms (prefill_ms, prefill_saved_ms, restore_ms)
-  P stats:since       str   unix time counting began (SETNX by the first gateway start or request)
-  P stats:recent      list  JSON RequestRecords, newest first, at most recent_len
-  P stats:ttft:cold   list  ttft_ms of requests with cache_source "none", newest first, at most ttft_len
-  P stats:ttft:warm   list  ttft_ms of requests restored from memory or disk
+Layout (P = config.redis_prefix, T = the tenant):
+  P stats:T:totals      hash  integer counters (requests, hits, tokens, hits_memory, hits_disk,
+                              restore_bytes) and float sums in ms (prefill_ms, prefill_saved_ms, restore_ms)
+  P stats:T:since       str   unix time of the tenant's first counted request (SETNX)
+  P stats:T:recent      list  JSON RequestRecords, newest first, at most recent_len
+  P stats:T:ttft:cold   list  ttft_ms of requests with cache_source "none", newest first, at most ttft_len
+  P stats:T:ttft:warm   list  ttft_ms of requests restored from memory or disk
 """
 
 from __future__ import annotations
@@ -43,18 +44,16 @@ class StatsStore:
         self._recent_len = recent_len
         self._ttft_len = ttft_len
 
-    def key(self, name: str) -> str:
-        return f"{self._p}stats:{name}"
-
-    async def start(self, now: float) -> None:
-        """Marks when counting began, unless an earlier gateway already did."""
-        await self._r.setnx(self.key("since"), now)
+    def key(self, tenant: str, name: str) -> str:
+        return f"{self._p}stats:{tenant}:{name}"
 
     async def record(self, rec: RequestRecord) -> None:
-        totals = self.key("totals")
-        ttft = self.key("ttft:warm" if rec.cache_source in ("memory", "disk") else "ttft:cold")
+        """Counts one finished request for its tenant."""
+        t = rec.tenant
+        totals = self.key(t, "totals")
+        ttft = self.key(t, "ttft:warm" if rec.cache_source in ("memory", "disk") else "ttft:cold")
         async with self._r.pipeline(transaction=True) as pipe:
-            pipe.setnx(self.key("since"), rec.ts)
+            pipe.setnx(self.key(t, "since"), rec.ts)
             pipe.hincrby(totals, "requests", 1)
             pipe.hincrby(totals, "hits", 1 if rec.hit else 0)
             pipe.hincrby(totals, "prompt_tokens", rec.prompt_tokens)
@@ -66,25 +65,26 @@ class StatsStore:
             pipe.hincrbyfloat(totals, "prefill_ms", rec.prefill_ms)
             pipe.hincrbyfloat(totals, "prefill_saved_ms", rec.prefill_saved_ms)
             pipe.hincrbyfloat(totals, "restore_ms", rec.restore_ms)
-            pipe.lpush(self.key("recent"), json.dumps(rec.as_dict()))
-            pipe.ltrim(self.key("recent"), 0, self._recent_len - 1)
+            pipe.lpush(self.key(t, "recent"), json.dumps(rec.as_dict()))
+            pipe.ltrim(self.key(t, "recent"), 0, self._recent_len - 1)
             pipe.lpush(ttft, rec.ttft_ms)
             pipe.ltrim(ttft, 0, self._ttft_len - 1)
             await pipe.execute()
 
-    async def snapshot(self, engines: Sequence[dict[str, Any]]) -> dict[str, Any]:
-        """The GET /v1/stats document."""
+    async def snapshot(self, tenant: str, engines: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """The GET /v1/stats document of one tenant."""
         async with self._r.pipeline(transaction=True) as pipe:
-            pipe.hgetall(self.key("totals"))
-            pipe.get(self.key("since"))
-            pipe.lrange(self.key("recent"), 0, -1)
-            pipe.lrange(self.key("ttft:cold"), 0, -1)
-            pipe.lrange(self.key("ttft:warm"), 0, -1)
+            pipe.hgetall(self.key(tenant, "totals"))
+            pipe.get(self.key(tenant, "since"))
+            pipe.lrange(self.key(tenant, "recent"), 0, -1)
+            pipe.lrange(self.key(tenant, "ttft:cold"), 0, -1)
+            pipe.lrange(self.key(tenant, "ttft:warm"), 0, -1)
             raw, since, recent, cold, warm = await pipe.execute()
         ints = {f: int(raw.get(f, 0)) for f in _INT_FIELDS}
         ms = {f: float(raw.get(f, 0)) for f in _MS_FIELDS}
         requests, prompt = ints["requests"], ints["prompt_tokens"]
         return {
+            "tenant": tenant,
             "totals": {
                 "requests": requests,
                 "hits": ints["hits"],

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -64,13 +64,19 @@ class EngineConfig:
     disk_prefix_cache: str = "full"
     writer_queue: int = 8
     fsync: bool = True
-    queue_size: int = 16  # requests waiting for the generation worker
+    queue_size: int = 16  # requests waiting to be admitted (beyond: HTTP 429)
+    max_seqs: int = 16  # sequences running at once (decoding or prefilling)
+    max_batch_tokens: int = 2048  # tokens per step: one per decoding sequence + prefill chunks
+    kv_budget: int = 0  # bytes for every sequence's state; 0 = 80% of free GPU memory, 16 GiB on CPU
     max_tokens_limit: int = 4096
     host: str = "127.0.0.1"
     port: int = 8100
     model_name: str = ""  # the id /v1/models reports; defaults to the folder name
     use_triton: bool | None = None
     keepalive_s: float = 5.0  # SSE keep-alive comment interval while a stream waits (queue, prefill)
+    # Shared with the gateway (set it by environment, KEEPWARM_ENGINE_TOKEN): when set, every
+    # endpoint but /health wants `Authorization: Bearer <token>`; "" serves anyone (local use).
+    engine_token: str = field(default="", repr=False)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -95,7 +101,22 @@ class EngineConfig:
             raise ConfigError(f"--device {self.device}: torch sees no GPU here; use --device cpu")
         if self.keepalive_s <= 0:
             raise ConfigError("--keepalive-s must be > 0 seconds")
-        for name in ("max_context", "chunk_size", "writer_queue", "queue_size", "max_tokens_limit"):
+        if self.engine_token and len(self.engine_token) < 16:
+            raise ConfigError("KEEPWARM_ENGINE_TOKEN must be at least 16 characters (or unset)")
+        if self.max_batch_tokens < self.max_seqs:
+            raise ConfigError(
+                f"--max-batch-tokens {self.max_batch_tokens} must be >= --max-seqs {self.max_seqs} "
+                "(every running sequence decodes one token per step)"
+            )
+        for name in (
+            "max_context",
+            "chunk_size",
+            "writer_queue",
+            "queue_size",
+            "max_tokens_limit",
+            "max_seqs",
+            "max_batch_tokens",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
         try:
@@ -106,7 +127,7 @@ class EngineConfig:
 
 
 _ENV_PREFIX = "KEEPWARM_"
-_SIZES = {"disk_budget", "min_free_disk", "memory_budget"}
+_SIZES = {"disk_budget", "min_free_disk", "memory_budget", "kv_budget"}
 
 
 def _convert(name: str, raw: str) -> object:

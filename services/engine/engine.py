@@ -1,19 +1,24 @@
-"""The engine: one model, one generation at a time, and the prefix cache.
+"""The engine: one model, many sequences at once, and the prefix cache.
 
-A request is: find the deepest cached prefix, adopt it, prefill the rest
-(stopping at snapshot points to save them), decode, and leave a continued
-checkpoint covering prompt + reply for the next turn.
+`step()` is the whole loop body: schedule -> one batched forward -> postprocess.
+A request becomes a Sequence; at admission it restores the deepest cached prefix
+into its state, then its prefill runs in chunks that stop at save points
+(snapshots), then it decodes one token per step, and at the end it leaves a
+continued checkpoint covering prompt + reply for the next turn. When the state
+memory budget runs out, the newest running sequence is preempted: its snapshot
+goes to the RAM tier and it resumes later by adopting it (no recompute).
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from array import array
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TypeAlias
+from itertools import count
 
 import torch
 
@@ -21,22 +26,30 @@ from keepwarm.engine.cache.disk_cache import DiskCache
 from keepwarm.engine.cache.memory_cache import MemoryCache
 from keepwarm.engine.cache.namespace import namespace_id, weights_fingerprint
 from keepwarm.engine.cache.policy import Policy
-from keepwarm.engine.cache.prefix_cache import Hit, PrefixCache, candidate_lengths, diverged_at
+from keepwarm.engine.cache.prefix_cache import PrefixCache, diverged_at
 from keepwarm.engine.cache.snapshot import Snapshot
-from keepwarm.engine.cache.snapshot_file import FORMAT_VERSION, Alloc
+from keepwarm.engine.cache.snapshot_file import FORMAT_VERSION
 from keepwarm.engine.config import EngineConfig
 from keepwarm.engine.generation.request import FinishEvent, GenerateRequest, RequestError, Timings, TokenEvent
-from keepwarm.engine.generation.runner import Runner
+from keepwarm.engine.generation.runner import Runner, StepOutput
 from keepwarm.engine.generation.sampling import Sampler
+from keepwarm.engine.generation.scheduler import Scheduled, Scheduler
+from keepwarm.engine.generation.sequence import Event, Sequence, Status
+from keepwarm.engine.generation.state_memory import StateMemory
+from keepwarm.engine.generation.stopping import StopChecker
 from keepwarm.engine.loading.chat_template import ChatTemplate
 from keepwarm.engine.loading.checkpoint import open_checkpoint
 from keepwarm.engine.loading.tokenizer import Tokenizer
 from keepwarm.engine.models import build_backend
-from keepwarm.engine.models.backend import State
 from keepwarm.kernels.ops import ops_for
 
-Event: TypeAlias = TokenEvent | FinishEvent
 MAX_AUTO_WINDOW = 256  # `auto:W` compares with at most this many recent prompts
+
+__all__ = ["Engine", "EngineStats", "Event", "Prompt", "QueueFull"]
+
+
+class QueueFull(Exception):
+    """Every waiting slot is taken: not now (HTTP 429)."""
 
 
 @dataclass
@@ -55,6 +68,10 @@ class EngineStats:
     restore_bytes: int = 0
     completion_tokens: int = 0
     snapshots_saved: int = 0
+    steps: int = 0
+    step_tokens: int = 0
+    step_seconds: float = 0.0
+    preemptions: int = 0
 
 
 @dataclass(frozen=True)
@@ -75,7 +92,7 @@ class Engine:
         self.backend = build_backend(
             self.ckpt, self.device, cfg.torch_dtype, ops_for(self.device, cfg.use_triton)
         )
-        self.runner = Runner(self.backend, cfg.chunk_size)
+        self.runner = Runner(self.backend)
         fingerprint_cache = cfg.cache_dir / "fingerprints.json" if cfg.cache_dir else None
         self.namespace = namespace_id(
             format_version=FORMAT_VERSION,
@@ -101,12 +118,25 @@ class Engine:
         self.cache = PrefixCache(self.namespace, memory, disk, self._validate)
         self.default_policy: Policy = cfg.policy
         self.stats = EngineStats()
+        self.memory = StateMemory(self.backend, self._kv_budget(), cfg.max_context)
+        self.scheduler = Scheduler(cfg.max_seqs, cfg.max_batch_tokens, cfg.chunk_size)
         # (salt, prompt tokens) of recent requests for `auto`; int32 arrays: 4 bytes a token
         self.recent_prompts: deque[tuple[str, array[int]]] = deque(maxlen=MAX_AUTO_WINDOW)
-        self.lock = threading.Lock()  # one generation at a time
-        self.spare: State | None = None  # the last request's state, reused by the next restore
+        self.inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()  # from other threads
+        self.num_waiting = 0  # submitted, not admitted yet: the bounded queue
+        self.waiting_lock = threading.Lock()
+        self.lock = threading.Lock()  # one step at a time (loop thread, or a caller's generate())
+        self.ids = count()
         # optional backend capability: read disk hits straight into a state's buffers
-        self.restore_target: Callable[[State], Alloc] | None = getattr(self.backend, "restore_target", None)
+        self.restore_target = getattr(self.backend, "restore_target", None)
+
+    def _kv_budget(self) -> int:
+        if self.cfg.kv_budget > 0:
+            return self.cfg.kv_budget
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * 0.8)
+        return 16 * 1024**3
 
     def _validate(self, snap: Snapshot) -> None:
         self.backend.geometry.validate(snap.tensors, snap.position)
@@ -115,7 +145,7 @@ class Engine:
         if self.cache.disk is not None:
             self.cache.disk.close()
 
-    # -- request preparation ---------------------------------------------------
+    # -- request preparation (any thread) -------------------------------------
     def prepare(self, req: GenerateRequest) -> Prompt:
         if req.prompt_tokens is not None:
             tokens, boundaries = list(req.prompt_tokens), []
@@ -125,6 +155,7 @@ class Engine:
                     list(req.messages),
                     add_generation_prompt=True,
                     tools=list(req.tools) if req.tools else None,
+                    template_kwargs=req.chat_template_kwargs,
                 )
             except ValueError as e:
                 raise RequestError(
@@ -145,12 +176,329 @@ class Engine:
                 status=413,
                 param="messages",
             )
+        need = self.memory.bytes_for(self.memory.capacity_for(len(tokens) + 1))
+        if need > self.memory.budget_bytes:
+            raise RequestError(
+                f"the prompt's state needs {need} bytes, more than the engine's whole --kv-budget "
+                f"({self.memory.budget_bytes}): shorten the conversation",
+                status=413,
+                param="messages",
+            )
         return Prompt(tokens, boundaries)
+
+    def submit(
+        self,
+        req: GenerateRequest,
+        on_event: Callable[[Event], None],
+        should_stop: Callable[[], bool] = lambda: False,
+        prompt: Prompt | None = None,
+    ) -> Sequence:
+        """Queue a request; its events go to `on_event` from the stepping thread.
+        Raises QueueFull when `queue_size` sequences are already waiting."""
+        prompt = prompt or self.prepare(req)
+        params = req.sampling
+        with self.waiting_lock:
+            if self.num_waiting >= self.cfg.queue_size:
+                raise QueueFull
+            self.num_waiting += 1
+        stop_ids = set(params.stop_token_ids) | (
+            set() if params.ignore_eos else set(self.tokenizer.eos_token_ids)
+        )
+        seq = Sequence(
+            seq_id=next(self.ids),
+            request=req,
+            tokens=list(prompt.tokens),
+            num_prompt_tokens=len(prompt.tokens),
+            boundaries=list(prompt.boundaries),
+            policy=req.policy or self.default_policy,
+            sampler=Sampler(params),
+            stopper=StopChecker(self.tokenizer.stream_decoder(), params.stop, stop_ids),
+            max_new_tokens=min(params.max_tokens, self.cfg.max_context - len(prompt.tokens)),
+            on_event=on_event,
+            should_stop=should_stop,
+        )
+        self.inbox.put(seq)
+        return seq
+
+    # -- the loop body ------------------------------------------------------------
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or not self.inbox.empty()
+
+    def step(self) -> int:
+        """schedule -> run -> postprocess; returns how many sequences took part."""
+        with self.lock:
+            while not self.inbox.empty():
+                self.scheduler.add(self.inbox.get())
+            self._drop_cancelled()
+            batch = self._fit(self.scheduler.schedule(self._admit))
+            if not batch:
+                return 0
+            out = self.runner.run(batch)
+            self.postprocess(batch, out)
+            return len(batch)
+
+    def _drop_cancelled(self) -> None:
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            if seq.should_stop():
+                self._finish(seq, "cancelled")
+
+    def _admit(self, seq: Sequence) -> bool:
+        """Give a waiting sequence its state: a preempted one adopts its parked snapshot;
+        a new one restores the deepest cached prefix. False: memory is full for now."""
+        want = len(seq.tokens) + 1
+        alone = not self.scheduler.running
+        if seq.num_preemptions and seq.parked is None:  # preempted before its first token
+            state = self.memory.allocate(want)
+            if state is None:
+                return False
+            seq.state = state
+        elif seq.parked is not None:
+            state = self.memory.adopt(seq.parked, want)
+            if state is None:
+                if alone:  # it cannot fit even with nothing else running: end the reply here
+                    self.scheduler.waiting.remove(seq)
+                    self._finish(seq, "length")
+                return False
+            seq.state, seq.parked = state, None
+        else:
+            state = self.memory.allocate(want)
+            if state is None:
+                return False
+            seq.state = state
+            self._restore(seq)
+            self._count_waiting(-1)
+            self.stats.requests += 1
+            self.stats.prompt_tokens += seq.num_prompt_tokens
+            if seq.policy.enabled:
+                prompt = Prompt(seq.tokens[: seq.num_prompt_tokens], seq.boundaries)
+                seq.save_points = self.save_points(seq.policy, seq.salt, prompt, seq.position)
+                self.recent_prompts.append((seq.salt, array("i", seq.tokens)))
+        return True
+
+    def _count_waiting(self, delta: int) -> None:
+        with self.waiting_lock:
+            self.num_waiting += delta
+
+    def _restore(self, seq: Sequence) -> None:
+        if not seq.policy.enabled:
+            return
+        assert seq.state is not None
+        self.stats.lookups += 1
+        t0 = time.perf_counter()
+        alloc = self.restore_target(seq.state) if self.restore_target is not None else None
+        prompt = seq.tokens[: seq.num_prompt_tokens]
+        found = self.cache.find(
+            seq.salt, prompt, seq.boundaries, seq.request.session_hint, self.cfg.min_tokens, alloc
+        )
+        seq.diverged_at = found.diverged_at
+        if found.hit is None:
+            return
+        try:
+            seq.state = self.backend.adopt(found.hit.snapshot, seq.state.capacity, into=seq.state)
+        except ValueError:
+            seq.state.position, seq.state.logits = 0, None  # a mismatch the tier missed: a miss
+            return
+        seq.hit = found.hit
+        seq.restore_s = time.perf_counter() - t0
+
+    def _fit(self, batch: list[Scheduled]) -> list[Scheduled]:
+        """Grow the states that this step outgrows; when memory runs out, preempt the
+        newest running sequences (possibly the one that needed room) until it fits."""
+        keep = list(batch)
+        for b in batch:
+            seq = b.seq
+            if b not in keep or seq.state is None:
+                continue
+            need = seq.state.position + b.num_tokens
+            while need > seq.state.capacity:
+                grown = self.memory.grow(seq.state, need)
+                if grown is not None:
+                    seq.state = grown
+                    break
+                victim = self.scheduler.running[-1]
+                if victim is seq and len(self.scheduler.running) == 1:
+                    self._finish(seq, "length")  # alone and out of memory: end the reply here
+                    keep = [k for k in keep if k.seq is not seq]
+                    break
+                self._preempt(victim)
+                keep = [k for k in keep if k.seq is not victim]
+                if victim is seq:
+                    break
+        return keep
+
+    def _preempt(self, seq: Sequence) -> None:
+        assert seq.state is not None
+        snap = None
+        if seq.state.position > 0:
+            snap = self.backend.export(seq.state).detached()
+            if seq.policy.enabled and seq.state.position >= self.cfg.min_tokens:
+                # also a cache entry; the sequence keeps its own reference, so the RAM
+                # tier's LRU can never make it recompute
+                self.cache.save(seq.salt, seq.tokens[: snap.position], snap)
+        self.memory.free(seq.state)
+        seq.state, seq.parked = None, snap
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.stats.preemptions += 1
+        self.scheduler.running.remove(seq)
+        self.scheduler.requeue(seq)
+
+    def postprocess(self, batch: list[Scheduled], out: StepOutput) -> None:
+        self.stats.steps += 1
+        self.stats.step_tokens += out.num_tokens
+        self.stats.step_seconds += out.seconds
+        done: list[Sequence] = []
+        for b in batch:
+            seq = b.seq
+            assert seq.state is not None
+            share = out.seconds * b.num_tokens / out.num_tokens if out.num_tokens else 0.0
+            if b.num_tokens and seq.position <= seq.num_prompt_tokens and not seq.num_generated:
+                seq.prefill_s += share
+                if seq.position in seq.save_points:
+                    self._save(seq, seq.position)
+                if seq.prefilling:
+                    continue
+            elif b.num_tokens:
+                seq.decode_s += share
+            if seq.num_generated == 0:
+                self._prefilled(seq)
+            self._sample(seq, out.logits[seq.seq_id])
+            if seq.finish_reason is not None:
+                done.append(seq)
+        self._checkpoint([s for s in done if s.checkpoint])
+
+    def _prefilled(self, seq: Sequence) -> None:
+        n = seq.num_prompt_tokens - seq.restored
+        self.stats.prefill_tokens += n
+        self.stats.prefill_seconds += seq.prefill_s
+        if seq.restored == 0 and seq.num_preemptions == 0:
+            self.runner.clock.record(seq.num_prompt_tokens, seq.prefill_s)
+
+    def _sample(self, seq: Sequence, logits: torch.Tensor) -> None:
+        tok = seq.sampler(logits)
+        seq.tokens.append(tok)
+        if seq.t_first_token is None:
+            seq.t_first_token = time.perf_counter()
+        text, stopped = seq.stopper.push(tok)
+        if not stopped:
+            seq.emit(TokenEvent(tok, text))
+        elif text:
+            seq.emit(TokenEvent(tok, text))
+        if stopped:
+            self._finish(seq, "stop")
+        elif seq.num_generated >= seq.max_new_tokens:
+            self._finish(seq, "length")
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        """Send the reply's end; free the state unless a continued checkpoint follows
+        (this step's `_checkpoint`)."""
+        seq.finish_reason = reason
+        rest = seq.stopper.finish(flush=reason == "length")
+        if rest:
+            seq.emit(TokenEvent(seq.tokens[-1] if seq.num_generated else -1, rest))
+        self.stats.completion_tokens += seq.num_generated
+        seq.checkpoint = (
+            seq.policy.mode == "full"
+            and reason != "cancelled"
+            and seq.num_generated > 0
+            and seq.state is not None
+            and len(seq.tokens) <= self.cfg.max_context
+        )
+        key = self.cache.key(seq.salt, seq.tokens) if seq.checkpoint else None
+        seq.emit(self._finish_event(seq, key))
+        if not seq.checkpoint:
+            self._release(seq)
+
+    def _checkpoint(self, seqs: list[Sequence]) -> None:
+        """Feed each finished sequence's last token in one batched forward and save the
+        state covering prompt + reply under exactly those tokens (after the replies are
+        out, before any new request is admitted)."""
+        if not seqs:
+            return
+        room = []
+        for seq in seqs:
+            assert seq.state is not None
+            if seq.state.position + 1 > seq.state.capacity:
+                grown = self.memory.grow(seq.state, seq.state.position + 1)
+                if grown is None:
+                    self._release(seq)  # no room for one more row: skip this checkpoint
+                    continue
+                seq.state = grown
+            room.append(seq)
+        if room:
+            self.runner.run([Scheduled(s, 1) for s in room])
+            for seq in room:
+                self._save(seq, len(seq.tokens))
+                self._release(seq)
+
+    def _save(self, seq: Sequence, position: int) -> None:
+        assert seq.state is not None and seq.state.position == position
+        self.cache.save(seq.salt, seq.tokens[:position], self.backend.export(seq.state))
+        self.stats.snapshots_saved += 1
+
+    def abandon(self, seq: Sequence) -> None:
+        """Drop a sequence without a finish event (its step failed); frees its memory."""
+        with self.lock:
+            if seq.status is not Status.FINISHED:
+                self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.status is Status.WAITING and not seq.num_preemptions:
+            self._count_waiting(-1)  # never admitted
+        self.scheduler.remove(seq)
+        if seq.state is not None:
+            self.memory.free(seq.state)
+        if seq.hit is not None:
+            self.cache.promote(seq.hit)  # off the TTFT path; the hit's rows were never rewritten
+        seq.state, seq.parked = None, None
+        seq.status = Status.FINISHED
+
+    def _finish_event(self, seq: Sequence, key: str | None) -> FinishEvent:
+        hit = seq.hit
+        restored = seq.restored
+        saved_s = 0.0
+        if hit is not None:
+            tier = hit.source
+            self.stats.hits_by_tier[tier] += 1
+            self.stats.hit_tokens_by_tier[tier] += restored
+            self.stats.restore_seconds += seq.restore_s
+            self.stats.restore_bytes += hit.num_bytes
+            cold = self.runner.clock.estimate(restored)
+            if cold is not None:
+                saved_s = max(0.0, cold - seq.restore_s)
+                self.stats.prefill_saved_seconds += saved_s
+        now = time.perf_counter()
+        first = seq.t_first_token if seq.t_first_token is not None else now
+        n = seq.num_generated
+        prompt_len = seq.num_prompt_tokens
+        timings = Timings(
+            cache_source=hit.source if hit else "none",
+            restored_tokens=restored,
+            restore_ms=seq.restore_s * 1000,
+            restore_bytes=hit.num_bytes if hit else 0,
+            prefill_tokens=prompt_len - restored if seq.finish_reason != "cancelled" or n else 0,
+            prefill_ms=seq.prefill_s * 1000,
+            decode_ms=seq.decode_s * 1000,
+            ttft_ms=(first - seq.t_arrival) * 1000,
+            prefill_saved_ms=saved_s * 1000,
+            decode_tokens_per_sec=(n / seq.decode_s) if seq.decode_s > 0 else 0.0,
+            diverged_at=seq.diverged_at,
+        )
+        return FinishEvent(
+            seq.finish_reason or "stop",
+            seq.stopper.text,
+            prompt_len,
+            n,
+            restored,
+            timings,
+            key,
+            len(seq.tokens) if key else 0,
+        )
 
     def save_points(self, policy: Policy, salt: str, prompt: Prompt, restored: int) -> list[int]:
         """Positions during this prefill where a snapshot is taken (deeper than the
         restored state, at least min_tokens)."""
-        n = len(prompt.tokens)
+        tokens, n = prompt.tokens, len(prompt.tokens)
         points: set[int] = set()
         inner = [b for b in prompt.boundaries if 0 < b < n]
         if policy.mode == "full":
@@ -159,7 +507,7 @@ class Engine:
                 points.update((inner[0], inner[-1]))  # shared system prompt; history before this turn's reply
         elif policy.mode == "auto":
             recent = [toks for s, toks in list(self.recent_prompts)[-policy.window :] if s == salt]
-            lcp = max((diverged_at(prompt.tokens, toks) for toks in recent), default=0)
+            lcp = max((diverged_at(tokens, toks) for toks in recent), default=0)
             floored = [b for b in inner if b <= lcp]
             if floored:
                 points.add(floored[-1])
@@ -167,215 +515,27 @@ class Engine:
             points.add(min(policy.num_tokens, n))
         return sorted(p for p in points if p > restored and p >= self.cfg.min_tokens)
 
-    # -- the request -------------------------------------------------------------
+    # -- conveniences (tests, CLI) -------------------------------------------------
     def generate(
         self,
         req: GenerateRequest,
         should_stop: Callable[[], bool] = lambda: False,
         prompt: Prompt | None = None,
     ) -> Iterator[Event]:
-        with self.lock:
-            yield from self._generate(req, should_stop, prompt)
+        """Run one request in the caller's thread (stepping the engine, so other queued
+        sequences advance too); yields its events. Returns once its state is released
+        (after the continued checkpoint)."""
+        events: deque[Event] = deque()
+        seq = self.submit(req, events.append, should_stop, prompt)
+        while seq.status is not Status.FINISHED:
+            self.step()
+            while events:
+                yield events.popleft()
+        while events:
+            yield events.popleft()
 
-    def _lookup(self, req: GenerateRequest, prompt: Prompt, policy: Policy) -> tuple[Hit | None, int | None]:
-        if not policy.enabled:
-            return None, None
-        self.stats.lookups += 1
-        lengths = candidate_lengths(
-            len(prompt.tokens),
-            prompt.boundaries,
-            self.cache.known_lengths(),
-            req.session_hint,
-            self.cfg.min_tokens,
-        )
-        alloc = None
-        if self.restore_target is not None:
-            if self.spare is None:
-                self.spare = self.backend.new_state(self.cfg.max_context)
-            alloc = self.restore_target(self.spare)
-        hit = self.cache.lookup(req.cache_salt, prompt.tokens, lengths, alloc)
-        hint = req.session_hint
-        diverged = None
-        if hint is not None and (hit is None or hit.num_key_tokens < hint.num_tokens):
-            last = self.cache.stored_tokens(hint.key)
-            if last is not None:
-                d = diverged_at(prompt.tokens, last)
-                diverged = d if d < min(len(last), len(prompt.tokens)) else None  # a real difference
-        return hit, diverged
-
-    def _generate(
-        self, req: GenerateRequest, should_stop: Callable[[], bool], prompt: Prompt | None
-    ) -> Iterator[Event]:
-        t0 = time.perf_counter()
-        prompt = prompt or self.prepare(req)
-        tokens = prompt.tokens
-        policy = req.policy or self.default_policy
-        salt = req.cache_salt
-        params = req.sampling
-        self.stats.requests += 1
-        self.stats.prompt_tokens += len(tokens)
-
-        hit, diverged = self._lookup(req, prompt, policy)
-        restore_s = 0.0
-        state: State | None = None
-        if hit is not None:
-            t_r = time.perf_counter()
-            try:
-                state = self.backend.adopt(hit.snapshot, self.cfg.max_context, into=self.spare)
-                restore_s = hit.seconds + (time.perf_counter() - t_r)
-            except ValueError:
-                state = None  # a mismatch the tier did not catch: treat as a miss
-        if state is None:
-            hit = None
-            state = self.backend.new_state(self.cfg.max_context)
-        self.spare = None
-        restored = state.position
-
-        t_p = time.perf_counter()
-        points = self.save_points(policy, salt, prompt, restored) if policy.enabled else []
-
-        def on_snapshot(pos: int, snap: Snapshot) -> None:
-            self.cache.save(salt, tokens[:pos], snap)
-            self.stats.snapshots_saved += 1
-
-        logits = self.runner.prefill(state, tokens[restored:], points, on_snapshot, should_stop)
-        prefill_s = time.perf_counter() - t_p
-        if policy.enabled:
-            self.recent_prompts.append((salt, array("i", tokens)))
-        if logits is None:
-            self.spare = state
-            yield self._finish("cancelled", "", prompt, 0, hit, restore_s, prefill_s, 0.0, t0, diverged)
-            return
-        num_prefill = len(tokens) - restored
-        self.stats.prefill_tokens += num_prefill
-        self.stats.prefill_seconds += prefill_s
-
-        # -- decode ------------------------------------------------------------
-        sampler = Sampler(params)
-        stream = self.tokenizer.stream_decoder()
-        stop_ids = set(params.stop_token_ids) | (
-            set() if params.ignore_eos else set(self.tokenizer.eos_token_ids)
-        )
-        max_new = min(params.max_tokens, self.cfg.max_context - len(tokens))
-        generated: list[int] = []
-        text = ""
-        emitted = 0  # characters of `text` already sent
-        hold = max((len(s) for s in params.stop), default=1) - 1
-        finish = "length"
-        t_d = time.perf_counter()
-        ttft = None
-        while len(generated) < max_new:
-            if generated:
-                logits = self.runner.decode(state, generated[-1])
-            tok = sampler(logits)
-            generated.append(tok)
-            if ttft is None:
-                ttft = time.perf_counter() - t0
-            if tok in stop_ids:
-                finish = "stop"
-                break
-            text += stream.push(tok)
-            cut = _find_stop(text, params.stop, emitted)
-            if cut is not None:
-                text = text[:cut]
-                finish = "stop"
-                if cut > emitted:
-                    yield TokenEvent(tok, text[emitted:cut])
-                emitted = cut
-                break
-            safe = len(text) - hold if params.stop else len(text)
-            if safe > emitted:
-                yield TokenEvent(tok, text[emitted:safe])
-                emitted = safe
-            else:
-                yield TokenEvent(tok, "")
-            if should_stop():
-                finish = "cancelled"
-                break
-        if finish == "length":
-            text += stream.flush()
-        if emitted < len(text):
-            yield TokenEvent(generated[-1] if generated else -1, text[emitted:])
-        decode_s = time.perf_counter() - t_d
-        self.stats.completion_tokens += len(generated)
-        covered = tokens + generated
-        continued = policy.mode == "full" and generated and finish != "cancelled"
-        key = self.cache.key(salt, covered) if continued else None
-        yield self._finish(
-            finish,
-            text,
-            prompt,
-            len(generated),
-            hit,
-            restore_s,
-            prefill_s,
-            decode_s,
-            t0,
-            diverged,
-            ttft,
-            key,
-            len(covered) if key else 0,
-        )
-
-        # Continued checkpoint, after the reply is out: feed the last token so the
-        # state covers prompt + reply, keyed by exactly those tokens.
-        if continued and len(covered) <= self.cfg.max_context:
-            self.runner.decode(state, generated[-1])
-            self.cache.save(salt, covered, self.backend.export(state))
-            self.stats.snapshots_saved += 1
-        if hit is not None:
-            self.cache.promote(hit)  # off the TTFT path; the hit's rows of `state` are unchanged
-        self.spare = state
-
-    def _finish(
-        self,
-        reason: str,
-        text: str,
-        prompt: Prompt,
-        num_generated: int,
-        hit: Hit | None,
-        restore_s: float,
-        prefill_s: float,
-        decode_s: float,
-        t0: float,
-        diverged: int | None,
-        ttft: float | None = None,
-        key: str | None = None,
-        key_tokens: int = 0,
-    ) -> FinishEvent:
-        restored = hit.snapshot.position if hit else 0
-        saved_s = 0.0
-        if hit is not None:
-            tier = hit.source
-            self.stats.hits_by_tier[tier] += 1
-            self.stats.hit_tokens_by_tier[tier] += restored
-            self.stats.restore_seconds += restore_s
-            self.stats.restore_bytes += hit.num_bytes
-            cold = self.runner.clock.estimate(restored)
-            if cold is not None:
-                saved_s = max(0.0, cold - restore_s)
-                self.stats.prefill_saved_seconds += saved_s
-        ttft_s = ttft if ttft is not None else time.perf_counter() - t0
-        timings = Timings(
-            cache_source=hit.source if hit else "none",
-            restored_tokens=restored,
-            restore_ms=restore_s * 1000,
-            restore_bytes=hit.num_bytes if hit else 0,
-            prefill_tokens=len(prompt.tokens) - restored,
-            prefill_ms=prefill_s * 1000,
-            decode_ms=decode_s * 1000,
-            ttft_ms=ttft_s * 1000,
-            prefill_saved_ms=saved_s * 1000,
-            decode_tokens_per_sec=(num_generated / decode_s) if decode_s > 0 else 0.0,
-            diverged_at=diverged,
-        )
-        return FinishEvent(
-            reason, text, len(prompt.tokens), num_generated, restored, timings, key, key_tokens
-        )
-
-    # -- conveniences ------------------------------------------------------------
     def complete(self, req: GenerateRequest) -> FinishEvent:
-        """Run a request to the end (tests, CLI); returns its finish event."""
+        """Run a request to the end; returns its finish event."""
         final = None
         for ev in self.generate(req):
             if isinstance(ev, FinishEvent):
@@ -386,16 +546,3 @@ class Engine:
     def flush(self) -> None:
         if self.cache.disk is not None:
             self.cache.disk.flush()
-
-
-def _find_stop(text: str, stops: Sequence[str], emitted: int) -> int | None:
-    """Index where the earliest stop string starts in `text`, searching only where
-    a new match can be (from just before `emitted`)."""
-    best = None
-    for s in stops:
-        if not s:
-            continue
-        i = text.find(s, max(0, emitted - len(s) + 1))
-        if i >= 0 and (best is None or i < best):
-            best = i
-    return best

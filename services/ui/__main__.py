@@ -27,10 +27,25 @@ from keepwarm.ui.settings import (
 APP = Path(__file__).with_name("app.py")
 
 
+def _key_file(env: dict[str, str]) -> str:
+    """The key in KEEPWARM_UI_API_KEY_FILE (compose: the one the gateway made on its first start)."""
+    path = env.get("KEEPWARM_UI_API_KEY_FILE")
+    if not path:
+        return ""
+    try:
+        return Path(path).read_text().strip()
+    except OSError as e:
+        sys.exit(
+            f"keepwarm.ui: cannot read KEEPWARM_UI_API_KEY_FILE={path} ({e.strerror}); set KEEPWARM_UI_API_KEY"
+        )
+
+
 def parse(argv: Sequence[str], env: dict[str, str]) -> tuple[UiSettings, str, int]:
     p = argparse.ArgumentParser(prog="python -m keepwarm.ui", description="keepwarm dashboard (Streamlit)")
     p.add_argument("--gateway", default=env.get(ENV_GATEWAY, DEFAULT_GATEWAY), help="gateway base URL")
-    p.add_argument("--api-key", default=env.get(ENV_API_KEY, ""), help="gateway API key (Bearer)")
+    p.add_argument(
+        "--api-key", default=env.get(ENV_API_KEY) or _key_file(env), help="gateway API key (Bearer)"
+    )
     p.add_argument("--port", type=int, default=int(env.get("KEEPWARM_UI_PORT", "8501")))
     p.add_argument("--address", default=env.get("KEEPWARM_UI_ADDRESS", "127.0.0.1"), help="listen address")
     p.add_argument(

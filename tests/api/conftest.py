@@ -1,6 +1,7 @@
 """Process fixtures for the gateway tests (helpers live in tests/api/procs.py so
 other test packages can import them): one Valkey server, a tiny demo model and
-one engine + gateway per session; each test gets a clean Redis database."""
+one engine + gateway per session (the engine answers only the gateway's token);
+each test gets a clean Redis database."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.api.procs import Proc, make_demo_model, start_engine, start_gateway, start_valkey
+from tests.api.procs import ENGINE_TOKEN, Proc, make_demo_model, start_engine, start_gateway, start_valkey
 
 
 @pytest.fixture
@@ -46,13 +47,13 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def engine(demo_model: Path, tmp_path_factory: pytest.TempPathFactory, logs: Path) -> Iterator[Proc]:
-    proc = start_engine(demo_model, tmp_path_factory.mktemp("cache"), logs)
+    proc = start_engine(demo_model, tmp_path_factory.mktemp("cache"), logs, token=ENGINE_TOKEN)
     yield proc
     proc.stop()
 
 
 @pytest.fixture(scope="session")
 def gateway(engine: Proc, valkey: Proc, logs: Path) -> Iterator[Proc]:
-    proc = start_gateway([engine.url], valkey.url, logs)
+    proc = start_gateway([engine.url], valkey.url, logs, engine_token=ENGINE_TOKEN)
     yield proc
     proc.stop()

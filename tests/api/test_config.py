@@ -61,6 +61,15 @@ def test_flags_override_env(tmp_path: Path) -> None:
          "distinct"),
         (["--engine", "http://a"], {"KEEPWARM_API_KEYS": "k:t", "KEEPWARM_SECRET": SECRET,
                                     "KEEPWARM_RATE_WINDOW": "x"}, "KEEPWARM_RATE_WINDOW must be a int"),
+        # A ':' in a tenant would let "a:b"'s session "c" be tenant "a"'s session "b:c" in Redis.
+        (["--engine", "http://a"], {"KEEPWARM_API_KEYS_FILE": "", "KEEPWARM_API_KEYS": "k:t", "KEEPWARM_SECRET": SECRET,
+                                    "KEEPWARM_ADMIN_TENANTS": "a:b"}, r"tenant name 'a:b': use 1-64 of"),
+        (["--engine", "http://a"], {"KEEPWARM_API_KEYS": "k:t", "KEEPWARM_SECRET": SECRET,
+                                    "KEEPWARM_ENGINE_TOKEN": "short"}, "KEEPWARM_ENGINE_TOKEN must be at least 16"),
+        (["--engine", "http://a", "--max-messages", "0"], {"KEEPWARM_API_KEYS": "k:t", "KEEPWARM_SECRET": SECRET},
+         r"--max-messages \(KEEPWARM_MAX_MESSAGES\) must be positive"),
+        (["--engine", "http://a"], {"KEEPWARM_API_KEYS": "k:t", "KEEPWARM_SECRET": SECRET,
+                                    "KEEPWARM_REDIS_TIMEOUT": "0"}, r"--redis-timeout \(KEEPWARM_REDIS_TIMEOUT\)"),
     ],
 )  # fmt: skip
 def test_bad_config_names_what_to_change(argv: list[str], env: dict[str, str], message: str) -> None:
@@ -78,3 +87,38 @@ def test_cli_exits_2_naming_the_missing_setting() -> None:
                        text=True, timeout=60)  # fmt: skip
     assert r.returncode == 2
     assert "no engine configured: pass --engine http://HOST:PORT or set KEEPWARM_ENGINES" in r.stderr
+
+
+def test_tenant_names_and_hardening_settings(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("k1 team:x\n")
+    with pytest.raises(ConfigError, match="tenant name 'team:x'"):
+        parse_config(
+            ["--engine", "http://a"], {"KEEPWARM_API_KEYS_FILE": str(keys), "KEEPWARM_SECRET": SECRET}
+        )
+    token = tmp_path / "token"
+    token.write_text("file-token-0123456789\n")
+    env = {"KEEPWARM_API_KEYS": "k:t", "KEEPWARM_SECRET": SECRET, "KEEPWARM_ENGINE_TOKEN_FILE": str(token)}
+    cfg = parse_config(["--engine", "http://a"], env)
+    # Defaults: no admin tenant, bounded messages, short Redis timeouts.
+    assert (cfg.admin_tenants, cfg.max_messages, cfg.redis_timeout_s, cfg.redis_cooldown_s) == (
+        (),
+        1024,
+        0.5,
+        5.0,
+    )
+    assert cfg.engine_token == "file-token-0123456789" and "file-token" not in repr(cfg)
+    # The variable wins over the file; flags set the rest.
+    cfg = parse_config(["--engine", "http://a", "--max-messages", "7", "--redis-timeout", "0.1",
+                        "--redis-cooldown", "2", "--health-timeout", "1.5", "--admin-tenants", "t, ops"],
+                       {**env, "KEEPWARM_ENGINE_TOKEN": "env-token-0123456789"})  # fmt: skip
+    assert cfg.engine_token == "env-token-0123456789"
+    assert (cfg.max_messages, cfg.redis_timeout_s, cfg.redis_cooldown_s, cfg.health_timeout_s) == (
+        7,
+        0.1,
+        2.0,
+        1.5,
+    )
+    assert cfg.admin_tenants == ("t", "ops")
+    with pytest.raises(ConfigError, match="cannot read KEEPWARM_ENGINE_TOKEN_FILE"):
+        parse_config(["--engine", "http://a"], {**env, "KEEPWARM_ENGINE_TOKEN_FILE": str(tmp_path / "nope")})

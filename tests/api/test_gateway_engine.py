@@ -5,6 +5,7 @@ tenant salts, errors passed through, stats and sessions from Redis, cache admin.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -13,7 +14,15 @@ import pytest
 import redis
 
 from keepwarm.api.auth import tenant_salt
-from tests.api.procs import TEST_SECRET, Proc, engine_cache_dir, wait_snapshot_file
+from tests.api.procs import (
+    ENGINE_AUTH,
+    ENGINE_TOKEN,
+    TEST_SECRET,
+    Proc,
+    engine_cache_dir,
+    start_gateway,
+    wait_snapshot_file,
+)
 
 # The topic leads the system prompt, so conversations on different topics share no cached prefix.
 SYSTEM = "You are a careful assistant. Answer briefly and name the sources you relied on."
@@ -101,6 +110,7 @@ def test_stats_follow_the_requests(gateway: Proc, redis_sync: redis.Redis) -> No
     r2 = ask(c, convo("glaciers", r1.choices[0].message.content), user="stats-user")
     u1, u2 = usage_of(r1), usage_of(r2)
     stats = httpx.get(gateway.url + "/v1/stats", headers={"Authorization": "Bearer key-alpha"}).json()
+    assert stats["tenant"] == "alpha"
     t = stats["totals"]
     cached = u2["prompt_tokens_details"]["cached_tokens"]
     assert (t["requests"], t["hits"], t["hit_rate_requests"]) == (2, 1, 0.5)
@@ -137,16 +147,21 @@ def test_streaming_passes_through_and_matches_non_streaming(gateway: Proc, redis
     assert u["prompt_tokens"] == plain.usage.prompt_tokens
     assert u["timings"]["cache_source"] == "memory" and u["prompt_tokens_details"]["cached_tokens"] > 0
     assert redis_sync.hget("keepwarm:session:alpha:streamed", "turns") == "1"
-    # Raw bytes: SSE framing kept, keepwarm object gone, [DONE] last.
-    body = {"model": "tiny", "messages": msgs, "max_tokens": 4, "temperature": 0, "stream": True}
-    with httpx.stream("POST", gateway.url + "/v1/chat/completions", json=body, timeout=60,
-                      headers={"Authorization": "Bearer key-alpha"}) as r:  # fmt: skip
-        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-        raw = r.read()
-    assert b'"keepwarm"' not in raw and b'"usage"' in raw
-    events = [e for e in raw.decode().split("\n\n") if e.strip()]
-    assert all(e.startswith(("data: ", ":")) for e in events)
-    assert events[-1] == "data: [DONE]"
+    # Raw bytes: SSE framing kept, keepwarm object gone, [DONE] last; the usage chunk only when
+    # asked for, though the gateway records every streamed turn.
+    for include_usage in (True, False):
+        body = {"model": "tiny", "messages": msgs, "max_tokens": 4, "temperature": 0, "stream": True,
+                **({"stream_options": {"include_usage": True}} if include_usage else {})}  # fmt: skip
+        with httpx.stream("POST", gateway.url + "/v1/chat/completions", json=body, timeout=60,
+                          headers={"Authorization": "Bearer key-alpha", "X-Session-Id": "raw"}) as r:  # fmt: skip
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            raw = r.read()
+        assert b'"keepwarm"' not in raw and (b'"usage"' in raw) == include_usage
+        assert "\n\n\n" not in raw.decode()
+        events = [e for e in raw.decode().split("\n\n") if e.strip()]
+        assert all(e.startswith(("data: ", ":")) for e in events)
+        assert events[-1] == "data: [DONE]"
+    assert redis_sync.hget("keepwarm:session:alpha:raw", "turns") == "2"
 
 
 def test_tenant_salt_comes_from_the_key_not_the_client(gateway: Proc, redis_sync: redis.Redis) -> None:
@@ -176,7 +191,7 @@ def test_engine_errors_pass_through(gateway: Proc) -> None:
 
 def test_client_disconnect_cancels_the_engine(gateway: Proc, engine: Proc) -> None:
     def completion_tokens() -> float:
-        text = httpx.get(engine.url + "/metrics").text
+        text = httpx.get(engine.url + "/metrics", headers=ENGINE_AUTH).text
         return sum(float(line.split()[-1]) for line in text.splitlines()
                    if line.startswith("keepwarm_completion_tokens"))  # fmt: skip
 
@@ -192,10 +207,13 @@ def test_client_disconnect_cancels_the_engine(gateway: Proc, engine: Proc) -> No
     assert completion_tokens() - before < 400
 
 
-def test_cache_admin_through_the_gateway(gateway: Proc, engine: Proc, redis_sync: redis.Redis) -> None:
+def test_cache_admin_through_the_gateway(
+    gateway: Proc, engine: Proc, valkey: Proc, logs: Path, redis_sync: redis.Redis
+) -> None:
     """Last in this module: it empties the shared engine's cache."""
     c = client(gateway, session="admin")
     ask(c, convo("comets"))
+    key = redis_sync.hget("keepwarm:session:alpha:admin", "key")
     h = {"Authorization": "Bearer key-alpha"}
 
     def listed() -> dict[str, Any] | None:
@@ -203,17 +221,35 @@ def test_cache_admin_through_the_gateway(gateway: Proc, engine: Proc, redis_sync
         return body if body["entries"] else None
 
     body = wait_for(listed, what="entries in GET /v1/cache")
+    assert body["tenant"] == "alpha"
     [row] = body["engines"]
     assert (row["url"], row["healthy"]) == (engine.url, True) and "error" not in row
-    assert row["namespace"] and isinstance(row["stats"], dict)
-    assert row["total_entries"] >= 1 and 1 <= len(row["entries"]) <= 3
+    # A tenant sees the shared capacity only: no per-request counters, no paths.
+    assert row["namespace"] and set(row["stats"]) == {"memory", "disk"}
+    assert set(row["stats"]["disk"]) <= {"num_entries", "num_bytes", "budget_bytes", "min_free_bytes",
+                                         "free_bytes", "evictions"}  # fmt: skip
+    # Its own entries only: every listed key is one the engine reported for alpha.
+    own = set(redis_sync.zrange("keepwarm:cachekeys:alpha", 0, -1))
+    assert key in own and row["total_entries"] >= 1 and 1 <= len(row["entries"]) <= 3
+    assert {e["key"] for e in row["entries"]} <= own
     assert all(e["engine"] == engine.url for e in body["entries"])
     hits = [(e["hits"], e["last_used"]) for e in body["entries"]]
     assert hits == sorted(hits, reverse=True)  # most hit first
-    deleted = httpx.delete(gateway.url + "/v1/cache", headers=h).json()
-    assert deleted["deleted"] >= row["total_entries"]
-    assert deleted["engines"] == [{"url": engine.url, "deleted": deleted["deleted"]}]
-    assert httpx.get(gateway.url + "/v1/cache", headers=h).json()["entries"] == []
+    # Clearing the shared cache is for admin tenants only, and none is configured here.
+    refused = httpx.delete(gateway.url + "/v1/cache", headers=h)
+    assert refused.status_code == 403 and "KEEPWARM_ADMIN_TENANTS" in refused.json()["error"]["message"]
+    admin_gw = start_gateway([engine.url], valkey.url, logs, engine_token=ENGINE_TOKEN,
+                             extra=["--admin-tenants", "alpha"])  # fmt: skip
+    try:
+        everything = httpx.get(admin_gw.url + "/v1/cache", params={"top": 1000}, headers=h).json()
+        [admin_row] = everything["engines"]
+        assert "engine" in admin_row["stats"]  # the admin sees every figure
+        deleted = httpx.delete(admin_gw.url + "/v1/cache", headers=h).json()
+        assert deleted["deleted"] >= admin_row["total_entries"] >= row["total_entries"]
+        assert deleted["engines"] == [{"url": engine.url, "deleted": deleted["deleted"]}]
+        assert httpx.get(admin_gw.url + "/v1/cache", headers=h).json()["entries"] == []
+    finally:
+        admin_gw.stop()
     # The session still names the deleted key: the next turn simply misses.
     again = ask(c, convo("comets"))
     assert usage_of(again)["timings"]["cache_source"] == "none"

@@ -24,7 +24,9 @@ def dead_engine() -> str:
 
 @pytest.fixture(scope="module")
 def lonely_gateway(dead_engine: str, valkey: Proc, logs: Path) -> Iterator[Proc]:
-    proc = start_gateway([dead_engine], valkey.url, logs, extra=["--max-body-bytes", "2000"])
+    proc = start_gateway(
+        [dead_engine], valkey.url, logs, extra=["--max-body-bytes", "300000", "--max-messages", "8"]
+    )
     yield proc
     proc.stop()
 
@@ -51,6 +53,7 @@ def test_health_reports_engines_without_auth(lonely_gateway: Proc, dead_engine: 
         "status": "degraded",
         "engines": [{"url": dead_engine, "healthy": False}],
         "redis": True,
+        "redis_circuit": {"open": False, "trips": 0, "fast_failures": 0, "last_error": None},
     }
 
 
@@ -90,19 +93,87 @@ def test_bad_session_id_is_400(lonely_gateway: Proc) -> None:
 
 
 def test_oversized_body_is_413_naming_the_limit(lonely_gateway: Proc) -> None:
-    big = {"model": "m", "messages": [{"role": "user", "content": "x" * 3000}]}
+    big = {"model": "m", "messages": [{"role": "user", "content": "x" * 300_001}]}
     err = error_of(chat(lonely_gateway, **big), 413)
-    assert "2000 bytes" in err["message"] and "KEEPWARM_MAX_BODY_BYTES" in err["message"]
+    assert "300000 bytes" in err["message"] and "KEEPWARM_MAX_BODY_BYTES" in err["message"]
 
     # Without a Content-Length (chunked upload) the limit holds while reading.
     def chunks() -> Iterator[bytes]:
         yield b'{"messages": [{"role": "user", "content": "'
         for _ in range(10):
-            yield b"y" * 500
+            yield b"y" * 30_001
         yield b'"}]}'
 
     r = httpx.post(lonely_gateway.url + "/v1/chat/completions", content=chunks(), headers=ALPHA, timeout=30)
-    assert "2000 bytes" in error_of(r, 413)["message"]
+    assert "300000 bytes" in error_of(r, 413)["message"]
+
+
+@pytest.mark.parametrize("deep", [b"[" * 100_000 + b"]" * 100_000, b'{"a":' * 40_000 + b"1" + b"}" * 40_000])
+def test_deeply_nested_json_is_400_naming_the_limit(lonely_gateway: Proc, deep: bytes) -> None:
+    # Was a RecursionError and a 500; now refused for its depth, alone or inside a valid request.
+    for body in (deep, b'{"messages": [{"role": "user", "content": "x"}], "tools": ' + deep + b"}"):
+        err = error_of(chat(lonely_gateway, body), 400)
+        assert "nests deeper than 64 levels" in err["message"]
+    # 64 levels are accepted (then refused for want of an engine).
+    ok = b'{"messages": [{"role": "user", "content": "x"}], "x": ' + b"[" * 63 + b"]" * 63 + b"}"
+    assert chat(lonely_gateway, ok).status_code == 503
+    one_more = b'{"messages": [{"role": "user", "content": "x"}], "x": ' + b"[" * 64 + b"]" * 64 + b"}"
+    assert "nests deeper than 64 levels" in error_of(chat(lonely_gateway, one_more), 400)["message"]
+
+
+def test_too_many_messages_is_413_naming_the_limit(lonely_gateway: Proc) -> None:
+    msgs = [{"role": "user", "content": f"m{i}"} for i in range(9)]
+    err = error_of(chat(lonely_gateway, model="m", messages=msgs), 413)
+    assert err["param"] == "messages"
+    assert "'messages' has 9 entries; the gateway accepts at most 8 (KEEPWARM_MAX_MESSAGES)" in err["message"]
+    assert chat(lonely_gateway, model="m", messages=msgs[:8]).status_code == 503  # at the limit: accepted
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expect"),
+    [
+        ("seed", 2**64, "'seed' must be an integer in [-9223372036854775808, 18446744073709551615]"),
+        ("seed", -(2**63) - 1, "'seed' must be an integer in"),
+        ("seed", 1.5, "'seed' must be an integer in"),
+        ("max_tokens", 0, "'max_tokens' must be an integer in [1, 2147483647], got 0"),
+        ("max_tokens", 2**31, "'max_tokens' must be an integer in [1, 2147483647]"),
+        ("max_tokens", "5", "'max_tokens' must be an integer in [1, 2147483647], got '5'"),
+        ("max_completion_tokens", -1, "'max_completion_tokens' must be an integer in [1, 2147483647]"),
+        ("temperature", -0.5, "'temperature' must be a number in [0, 100], got -0.5"),
+        ("temperature", True, "'temperature' must be a number in [0, 100], got True"),
+        ("top_p", 0, "'top_p' must be a number in (0, 1], got 0"),
+        ("top_p", 1.01, "'top_p' must be a number in (0, 1]"),
+        ("top_k", -1, "'top_k' must be an integer in [0, 2147483647]"),
+        ("n", 0, "'n' must be an integer in [1, 128]"),
+        ("presence_penalty", 2.5, "'presence_penalty' must be a number in [-2, 2]"),
+        ("frequency_penalty", -3, "'frequency_penalty' must be a number in [-2, 2]"),
+        ("top_logprobs", 21, "'top_logprobs' must be an integer in [0, 20]"),
+    ],
+)
+def test_numeric_field_out_of_range_is_400_naming_it(lonely_gateway: Proc, field: str, value: object,
+                                                     expect: str) -> None:  # fmt: skip
+    for stream in (False, True):  # streamed or not: a 400 before any work, never a broken stream
+        err = error_of(chat(lonely_gateway, model="m", messages=CHAT["messages"], stream=stream, **{field: value}),
+                       400)  # fmt: skip
+        assert err["param"] == field and expect in err["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "expect"),
+    [
+        (b'{"messages": [{"role": "user"}], "prefix_cache": {"scope": "full", "window": -1}}',
+         "prefix_cache.window", "'prefix_cache.window' must be an integer in [0, 2147483647]"),
+        (b'{"messages": [{"role": "user"}], "extra": {"deep": [1, 36893488147419103232]}}',
+         "extra.deep[1]", "'extra.deep[1]' is 36893488147419103232: numbers must fit in 64 bits"),
+        (b'{"messages": [{"role": "user"}], "temperature": NaN}', None, "contains NaN, which is not JSON"),
+        (b'{"messages": [{"role": "user"}], "top_p": Infinity}', None, "contains Infinity, which is not JSON"),
+    ],
+)  # fmt: skip
+def test_every_other_number_is_bounded(
+    lonely_gateway: Proc, body: bytes, param: str | None, expect: str
+) -> None:
+    err = error_of(chat(lonely_gateway, body), 400)
+    assert err["param"] == param and expect in err["message"]
 
 
 def test_no_healthy_engine_is_503(lonely_gateway: Proc, dead_engine: str) -> None:
@@ -123,9 +194,9 @@ def test_unknown_route_and_session_use_the_error_shape(lonely_gateway: Proc) -> 
 
 def test_stats_answer_with_engines_and_zero_totals(lonely_gateway: Proc, redis_sync: redis.Redis,
                                                    dead_engine: str) -> None:  # fmt: skip
-    redis_sync.set("keepwarm:stats:since", 123.5)
+    redis_sync.set("keepwarm:stats:alpha:since", 123.5)
     body = httpx.get(lonely_gateway.url + "/v1/stats", headers=ALPHA).json()
-    assert body["totals"]["requests"] == 0 and body["recent"] == []
+    assert body["tenant"] == "alpha" and body["totals"]["requests"] == 0 and body["recent"] == []
     assert body["engines"] == [{"url": dead_engine, "healthy": False}]
     assert body["since"] == 123.5
     assert httpx.get(lonely_gateway.url + "/v1/sessions", headers=ALPHA).json() == {"tenant": "alpha",
@@ -136,8 +207,8 @@ def test_cache_endpoints_report_unreachable_engines(lonely_gateway: Proc, dead_e
     body = httpx.get(lonely_gateway.url + "/v1/cache", headers=ALPHA).json()
     assert body["entries"] == [] and len(body["engines"]) == 1
     assert body["engines"][0]["url"] == dead_engine and body["engines"][0]["error"].startswith("ConnectError")
-    body = httpx.delete(lonely_gateway.url + "/v1/cache", headers=ALPHA).json()
-    assert body["deleted"] == 0 and body["engines"][0]["error"].startswith("ConnectError")
+    err = error_of(httpx.delete(lonely_gateway.url + "/v1/cache", headers=ALPHA), 403)
+    assert "KEEPWARM_ADMIN_TENANTS lists who may: no tenant" in err["message"]
 
 
 def test_rate_limit_is_429_with_retry_after(dead_engine: str, valkey: Proc, logs: Path,
@@ -163,5 +234,6 @@ def test_only_admin_tenants_may_clear_the_cache(dead_engine: str, valkey: Proc, 
         assert "KEEPWARM_ADMIN_TENANTS" in err["message"] and "'alpha'" in err["message"]
         r = httpx.delete(gw.url + "/v1/cache", headers={"Authorization": "Bearer key-beta"})
         assert r.status_code == 200 and r.json()["deleted"] == 0
+        assert r.json()["engines"][0]["error"].startswith("ConnectError")
     finally:
         gw.stop()

@@ -5,13 +5,21 @@ engine, a full engine queue answered 429 with Retry-After."""
 from __future__ import annotations
 
 import concurrent.futures
+import functools
+import re
 from pathlib import Path
 from typing import Any
 
 import httpx
 import redis
 
-from tests.api.procs import Proc, free_port, start_engine, start_gateway, wait_snapshot_file
+from tests.api.procs import ENGINE_TOKEN, Proc, free_port, wait_snapshot_file
+from tests.api.procs import start_engine as _start_engine
+from tests.api.procs import start_gateway as _start_gateway
+
+# Every engine here answers only its gateway.
+start_engine = functools.partial(_start_engine, token=ENGINE_TOKEN)
+start_gateway = functools.partial(_start_gateway, engine_token=ENGINE_TOKEN)
 
 ALPHA = {"Authorization": "Bearer key-alpha"}
 # The topic leads the system prompt, so conversations on different topics share no cached prefix.
@@ -93,7 +101,7 @@ def test_failover_to_another_engine_before_any_byte(
                                port=port)  # fmt: skip
         procs.append(revived)
         survivor.kill()
-        r = chat(gw, "the moon", "fo", stream=True)
+        r = chat(gw, "the moon", "fo", stream=True, stream_options={"include_usage": True})
         assert r.status_code == 200, r.text
         assert r.text.rstrip().endswith("data: [DONE]") and '"usage"' in r.text
         assert redis_sync.hget("keepwarm:session:alpha:fo", "engine") == revived.url
@@ -103,10 +111,12 @@ def test_failover_to_another_engine_before_any_byte(
             p.stop()
 
 
-def test_full_engine_queue_is_429_with_retry_after(
+def test_full_engine_queue_is_429_with_retry_after_from_the_drain_rate(
     demo_model: Path, tmp_path: Path, logs: Path, valkey: Proc, redis_sync: redis.Redis
 ) -> None:
-    engine = start_engine(demo_model, tmp_path / "cache", logs, env={"KEEPWARM_QUEUE_SIZE": "1"})
+    # One sequence at a time and one waiting: the rest of 6 concurrent requests are refused.
+    engine = start_engine(demo_model, tmp_path / "cache", logs,
+                          env={"KEEPWARM_QUEUE_SIZE": "1", "KEEPWARM_MAX_SEQS": "1"})  # fmt: skip
     gw = start_gateway([engine.url], valkey.url, logs)
     try:
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
@@ -114,10 +124,20 @@ def test_full_engine_queue_is_429_with_retry_after(
             answers = [f.result() for f in futures]
         statuses = sorted(r.status_code for r in answers)
         assert 200 in statuses and 429 in statuses and set(statuses) <= {200, 429}
-        refused = next(r for r in answers if r.status_code == 429)
-        err = refused.json()["error"]
-        assert err["code"] == 429 and "queue is full" in err["message"]
-        assert refused.headers["retry-after"] == "1"
+        for refused in (r for r in answers if r.status_code == 429):
+            err = refused.json()["error"]
+            assert err["code"] == 429 and "queue is full" in err["message"]
+            # Retry-After is the time the requests ahead take at the measured drain rate (the
+            # message shows the figures), or, before any request finished, the age of the busy spell.
+            wait = int(refused.headers["retry-after"])
+            assert f"retry after {wait} s" in err["message"]
+            ahead = int(re.search(r"(\d+) requests ahead", err["message"]).group(1))
+            assert ahead >= 1
+            rate = re.search(r"draining at ([0-9.]+) requests/s", err["message"])
+            if rate is not None:  # the message rounds the rate: within a second of it
+                assert abs(wait - max(1.0, ahead / float(rate.group(1)))) <= 1
+            else:
+                assert "no drain rate measured yet" in err["message"]
     finally:
         gw.stop()
         engine.stop()

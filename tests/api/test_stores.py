@@ -1,18 +1,26 @@
-"""Sessions, stats and the rate limit against a real Valkey server."""
+"""Sessions, stats, tenant cache keys, the rate limit and the Redis circuit
+breaker against a real Valkey server."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from pathlib import Path
 
 import pytest
 import redis
 from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ResponseError
 
+from keepwarm.api.breaker import Breaker, RedisUnavailable
 from keepwarm.api.rate_limit import RateLimiter
 from keepwarm.api.record import RequestRecord
 from keepwarm.api.sessions import SessionStore
 from keepwarm.api.stats import StatsStore
-from tests.api.procs import Proc
+from keepwarm.api.tenant_keys import TenantKeys
+from tests.api.procs import Proc, start_valkey
 
 pytestmark = pytest.mark.anyio
 
@@ -27,8 +35,10 @@ USAGE = {
 }  # fmt: skip
 
 
-def record(ts: float, usage: dict = USAGE, session: str | None = "s1") -> RequestRecord:
-    return RequestRecord.from_usage(usage, ts=ts, session=session, tenant="alpha", engine="http://e1")
+def record(
+    ts: float, usage: dict = USAGE, session: str | None = "s1", tenant: str = "alpha"
+) -> RequestRecord:
+    return RequestRecord.from_usage(usage, ts=ts, session=session, tenant=tenant, engine="http://e1")
 
 
 def test_record_from_usage() -> None:
@@ -79,16 +89,16 @@ async def test_session_turns_keep_last_key_and_timeline(valkey: Proc, redis_sync
 async def test_stats_totals_and_bounded_lists(valkey: Proc, redis_sync: redis.Redis) -> None:
     r = Redis.from_url(valkey.url, decode_responses=True)
     stats = StatsStore(r, prefix="kw:", recent_len=3, ttft_len=2)
-    await stats.start(500.0)
-    await stats.start(900.0)  # a second gateway does not move `since`
     cold = {"prompt_tokens": 80, "completion_tokens": 4, "prompt_tokens_details": {"cached_tokens": 0},
             "timings": {"cache_source": "none", "ttft_ms": 100.0, "prefill_ms": 90.0}}  # fmt: skip
     memory = {"prompt_tokens": 90, "completion_tokens": 5, "prompt_tokens_details": {"cached_tokens": 80},
               "timings": {"cache_source": "memory", "ttft_ms": 10.0, "prefill_ms": 4.0, "restore_ms": 1.0,
                           "prefill_saved_ms": 60.0, "restore_bytes": 4096}}  # fmt: skip
+    await stats.record(record(900.0, memory, session="b1", tenant="beta"))
     for i, u in enumerate([cold, memory, USAGE, cold]):
         await stats.record(record(1000.0 + i, u))
-    snap = await stats.snapshot([{"url": "http://e1", "healthy": True}])
+    snap = await stats.snapshot("alpha", [{"url": "http://e1", "healthy": True}])
+    assert snap["tenant"] == "alpha"
     assert snap["totals"] == {
         "requests": 4, "hits": 2, "hit_rate_requests": 0.5, "prompt_tokens": 350, "cached_tokens": 144,
         "hit_rate_tokens": 144 / 350, "prefill_seconds": (90.0 + 4.0 + 12.25 + 90.0) / 1000,
@@ -98,13 +108,23 @@ async def test_stats_totals_and_bounded_lists(valkey: Proc, redis_sync: redis.Re
     assert snap["ttft_ms"] == {"cold": [100.0, 100.0], "warm": [16.0, 10.0]}
     assert [x["ts"] for x in snap["recent"]] == [1003.0, 1002.0, 1001.0]
     assert snap["engines"] == [{"url": "http://e1", "healthy": True}]
-    assert snap["since"] == 500.0
+    assert snap["since"] == 1000.0  # the tenant's first counted request
+    # Per tenant: beta's one request is not in alpha's figures, and alpha's are not in beta's.
+    assert {x["tenant"] for x in snap["recent"]} == {"alpha"}
+    beta = await stats.snapshot("beta", [])
+    assert (beta["totals"]["requests"], beta["since"], [x["session"] for x in beta["recent"]]) == (
+        1,
+        900.0,
+        ["b1"],
+    )
+    assert beta["ttft_ms"] == {"cold": [], "warm": [10.0]}
+    assert sorted(redis_sync.keys("kw:stats:*:totals")) == ["kw:stats:alpha:totals", "kw:stats:beta:totals"]
     await r.aclose()
 
 
 async def test_empty_stats(valkey: Proc, redis_sync: redis.Redis) -> None:
     r = Redis.from_url(valkey.url, decode_responses=True)
-    snap = await StatsStore(r, prefix="kw:", recent_len=3, ttft_len=2).snapshot([])
+    snap = await StatsStore(r, prefix="kw:", recent_len=3, ttft_len=2).snapshot("alpha", [])
     assert snap["totals"]["requests"] == 0 and snap["totals"]["hit_rate_tokens"] == 0.0
     assert (snap["recent"], snap["ttft_ms"]) == ([], {"cold": [], "warm": []})
     await r.aclose()
@@ -120,3 +140,52 @@ async def test_rate_limit_fixed_window(valkey: Proc, redis_sync: redis.Redis) ->
     assert await limiter.retry_after("alpha", 1010.0) is None  # next window
     assert 0 < redis_sync.ttl("kw:ratelimit:alpha:101") <= 11
     await r.aclose()
+
+
+async def test_tenant_keys_are_per_tenant_and_bounded(valkey: Proc, redis_sync: redis.Redis) -> None:
+    r = Redis.from_url(valkey.url, decode_responses=True)
+    keys = TenantKeys(r, prefix="kw:", ttl_s=300, max_keys=3)
+    for i in range(5):
+        await keys.add("alpha", f"k{i}", 1000.0 + i)
+    await keys.add("alpha", "k2", 2000.0)  # reported again: newest now
+    await keys.add("beta", "b0", 1000.0)
+    assert await keys.of("alpha") == {"k2", "k3", "k4"}  # the 3 most recently reported
+    assert await keys.of("beta") == {"b0"} and await keys.of("gamma") == set()
+    assert 0 < redis_sync.ttl("kw:cachekeys:alpha") <= 300
+    await r.aclose()
+
+
+async def test_breaker_opens_on_a_hung_redis_and_closes_when_it_answers(tmp_path: Path) -> None:
+    server = start_valkey(tmp_path / "valkey")
+    r = Redis.from_url(server.url, decode_responses=True, socket_timeout=0.2, socket_connect_timeout=0.2,
+                       retry=Retry(NoBackoff(), 0))  # fmt: skip
+    breaker = Breaker(cooldown_s=0.1)
+    watcher = asyncio.create_task(breaker.watch(r.ping))
+    try:
+        assert await breaker.call(r.set("k", "v")) is True
+        server.pause()
+        with pytest.raises(RedisUnavailable, match="TimeoutError"):
+            await breaker.call(r.get("k"))  # the one call that waits out the socket timeout
+        state = breaker.state()
+        assert (state.open, state.trips, state.fast_failures) == (True, 1, 0)
+        assert state.last_error is not None and state.last_error.startswith("TimeoutError")
+        for _ in range(50):  # refused without touching the socket
+            with pytest.raises(RedisUnavailable, match="circuit open"):
+                await breaker.call(r.get("k"))
+        assert breaker.state().fast_failures == 50 and breaker.state().trips == 1
+        server.resume()
+        for _ in range(100):
+            if not breaker.is_open:
+                break
+            await asyncio.sleep(0.05)
+        assert not breaker.is_open  # the watcher's ping closed it
+        assert await breaker.call(r.get("k")) == "v"
+        # A command error is not an outage: it passes through and the circuit stays closed.
+        with pytest.raises(ResponseError):
+            await breaker.call(r.incr("k"))
+        assert not breaker.is_open and breaker.state().trips == 1
+    finally:
+        watcher.cancel()
+        server.resume()
+        await r.aclose()
+        server.stop()

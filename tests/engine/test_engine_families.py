@@ -43,20 +43,42 @@ def family_model(request: pytest.FixtureRequest) -> tuple[str, Path]:
 
 # -- instrumentation ---------------------------------------------------------------------
 class PrefillTape:
-    """Records the logits every `engine.runner.prefill` call returns (one per request:
-    the distribution of the first generated token, which is what a restore can break)."""
+    """Records the logits each request's first token is sampled from (the end of its
+    prefill, or a restored state's stored logits: what a restore can break)."""
 
     def __init__(self, engine: Engine) -> None:
         self.logits: list[torch.Tensor] = []
-        inner = engine.runner.prefill
+        inner = engine._sample
 
-        def prefill(state: State, tokens: Sequence[int], *args: Any, **kw: Any) -> torch.Tensor | None:
-            out = inner(state, tokens, *args, **kw)
-            if out is not None:
-                self.logits.append(out.detach().float().cpu().clone())
-            return out
+        def sample(seq: Any, logits: torch.Tensor) -> None:
+            if seq.num_generated == 0:
+                self.logits.append(logits.detach().float().cpu().clone())
+            inner(seq, logits)
 
-        engine.runner.prefill = prefill  # type: ignore[method-assign]
+        engine._sample = sample  # type: ignore[method-assign]
+
+
+def prefill_split(
+    backend: Backend,
+    state: State,
+    tokens: Sequence[int],
+    points: Sequence[int] = (),
+    on_snapshot: Any = None,
+    chunk: int = 2048,
+) -> torch.Tensor:
+    """Prefill `tokens` in chunks that stop at every absolute position in `points`,
+    exporting there (the engine's schedule for one sequence alone)."""
+    start = state.position
+    pos, end = start, start + len(tokens)
+    logits = state.logits
+    while pos < end:
+        nxt = min([pos + chunk, end, *(p for p in points if p > pos)])
+        logits = backend.prefill(state, torch.tensor(tokens[pos - start : nxt - start]))
+        pos = nxt
+        if on_snapshot is not None and pos in points:
+            on_snapshot(pos, backend.export(state))
+    assert logits is not None
+    return logits
 
 
 class ChunkRecorder:
@@ -66,10 +88,10 @@ class ChunkRecorder:
         self._backend = backend
         self.chunks: list[tuple[int, int]] = []
 
-    def prefill(self, state: State, tokens: torch.Tensor) -> torch.Tensor:
-        start = state.position
-        out = self._backend.prefill(state, tokens)
-        self.chunks.append((start, state.position))
+    def step(self, states: Sequence[State], chunks: Sequence[torch.Tensor]) -> torch.Tensor:
+        starts = [s.position for s in states]
+        out = self._backend.step(states, chunks)
+        self.chunks.extend((a, s.position) for a, s in zip(starts, states, strict=True))
         return out
 
     def __getattr__(self, name: str) -> Any:
@@ -236,7 +258,7 @@ def test_snapshot_whose_rows_disagree_with_its_position_is_rejected(
         tokens = engine.prepare(_req(msgs)).tokens
         m = len(tokens) - 3
         state = engine.backend.new_state(engine.cfg.max_context)
-        engine.runner.prefill(state, tokens[:m])
+        prefill_split(engine.backend, state, tokens[:m])
         real = engine.backend.export(state)
         engine._validate(real)  # the honest snapshot fits
         lying = Snapshot(m + 1, real.tensors)  # rows of m tokens, claimed to cover m + 1
@@ -293,12 +315,17 @@ def test_boundary_snapshots_split_prefill_and_restore_bit_exactly(
         # an uninterrupted reference run with the same split points, exporting as it goes
         ref_snaps: dict[int, Snapshot] = {}
         ref = engine.backend.new_state(engine.cfg.max_context)
-        ref_logits = engine.runner.prefill(
-            ref, tokens, points, lambda pos, snap: ref_snaps.__setitem__(pos, snap.detached())
+        ref_logits = prefill_split(
+            engine.backend,
+            ref,
+            tokens,
+            points,
+            lambda pos, snap: ref_snaps.__setitem__(pos, snap.detached()),
+            chunk=engine.cfg.chunk_size,
         )
         assert ref_logits is not None
         follow = [int(ref_logits.argmax()), 5, 17, 42, 7]
-        ref_decode = [engine.runner.decode(ref, t) for t in follow]
+        ref_decode = [engine.backend.decode(ref, t) for t in follow]
 
         for b in points:
             key = engine.cache.key("", tokens[:b])
@@ -317,10 +344,10 @@ def test_boundary_snapshots_split_prefill_and_restore_bit_exactly(
                 # restored and continued, it reproduces the uninterrupted run bit for bit
                 state = engine.backend.adopt(snap, engine.cfg.max_context)
                 assert state.position == b
-                logits = engine.runner.prefill(state, tokens[b:], points)
+                logits = prefill_split(engine.backend, state, tokens[b:], points, chunk=engine.cfg.chunk_size)
                 assert logits is not None and torch.equal(logits, ref_logits), b
                 for t, want in zip(follow, ref_decode, strict=True):
-                    assert torch.equal(engine.runner.decode(state, t), want), b
+                    assert torch.equal(engine.backend.decode(state, t), want), b
 
         # and the split run agrees with a one-shot prefill of the whole prompt
         one = engine.backend.new_state(engine.cfg.max_context)

@@ -39,6 +39,15 @@ class Hit:
     aliased: bool = False  # the snapshot lives in the caller's `alloc` memory: promote() it later
 
 
+@dataclass(frozen=True)
+class Lookup:
+    """What `PrefixCache.find` says about a prompt: the deepest usable entry (None: a
+    miss) and, when the session's last prefix was not reached, where the prompt left it."""
+
+    hit: Hit | None
+    diverged_at: int | None = None
+
+
 def candidate_lengths(
     prompt_len: int,
     boundaries: Iterable[int],
@@ -78,6 +87,29 @@ class PrefixCache:
         if self.disk is not None:
             out.update(e.tokens for e in self.disk.entries() if e.namespace == self.namespace)
         return out
+
+    def find(
+        self,
+        salt: str,
+        tokens: Sequence[int],
+        boundaries: Iterable[int],
+        hint: SessionHint | None,
+        min_tokens: int,
+        alloc: Alloc | None = None,
+    ) -> Lookup:
+        """The engine's one question to the cache: the deepest cached prefix of `tokens`
+        (probing the hint, the whole prompt, turn boundaries and every stored length).
+        A miss against the session's last prefix is explained only when that entry was
+        keyed with the caller's salt: another tenant's key never yields a position."""
+        lengths = candidate_lengths(len(tokens), boundaries, self.known_lengths(), hint, min_tokens)
+        hit = self.lookup(salt, tokens, lengths, alloc)
+        diverged = None
+        if hint is not None and (hit is None or hit.num_key_tokens < hint.num_tokens):
+            last = self.stored_tokens(hint.key)
+            if last is not None and self.key(salt, last) == hint.key:
+                d = diverged_at(tokens, last)
+                diverged = d if d < min(len(last), len(tokens)) else None  # a real difference
+        return Lookup(hit, diverged)
 
     def lookup(
         self, salt: str, tokens: Sequence[int], lengths: Sequence[int], alloc: Alloc | None = None

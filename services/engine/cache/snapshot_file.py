@@ -7,38 +7,57 @@ Layout (standard safetensors, readable by `safetensors.safe_open`):
 The header's `__metadata__` holds: `format` ("keepwarm.snapshot"),
 `format_version`, `namespace`, `key`, `key_tokens` (token count of the key),
 `position` (positions the snapshot covers), `created` (unix seconds),
-`checksum_algo` ("xxh3_64") and `checksums` (JSON {tensor name: 16 hex}, every
-tensor including `meta.tokens`). The key's token ids are the int32 tensor
-`meta.tokens` [key_tokens], so a hit is verified exactly, not by hash alone.
-Tensors are laid out by item size descending, then name, so each one is
-naturally aligned inside the data section and can be a zero-copy view.
+`checksum_algo` ("xxh3_64"), `checksums` (JSON {tensor name: 16 hex}, every
+tensor including `meta.tokens`) and `header_checksum`: xxh3_64 of every other
+metadata field and the whole tensor table (names, dtypes, shapes, offsets), so an
+edited position, token count, namespace, key or offset is a checksum failure like a
+flipped payload byte. The key's token ids are the int32 tensor `meta.tokens`
+[key_tokens], so a hit is verified exactly, not by hash alone. Tensors are laid out
+by item size descending, then name, so each one is naturally aligned inside the data
+section and can be a zero-copy view.
+
+The folder is not trusted. Below the cache root (`root=`), every path component is
+opened with O_NOFOLLOW through directory file descriptors, so a symlink anywhere
+under the root (a shard folder, a file named like a snapshot) is never followed,
+and a FIFO or device named like a snapshot is never read (O_NONBLOCK open, then
+fstat must say regular file). `is_ours` says whether a file may be deleted: a
+regular file whose parseable header carries the keepwarm format marker; anything
+else (a model's safetensors, garbage, a directory, a link) is left alone.
 
 Write: temp file in the target folder (`<final>.<pid>.<rand>.tmp`; the pid lets a
 later start tell a dead writer's leftovers from a live one's), fsync, then
-os.link to the final name (fails if the key exists, so a published file is
-never rewritten; a file is immutable once visible), unlink the temp, fsync the
-folder. A reader can therefore only ever see complete files; a crash leaves at
-most a stray temp file.
+link to the final name (fails if the key exists, so a published file is never
+rewritten; a file is immutable once visible), unlink the temp, fsync the folder.
+A reader can therefore only ever see complete files; a crash leaves at most a
+stray temp file.
 
 Read: `read_header` parses the header alone (index rebuild, no payload reads,
 size checked against the stat size). `read_snapshot` reads the whole file with
 one sequential read into one buffer, verifies everything, then builds every
-tensor as a view into that buffer (torch.frombuffer): no second copy, so
-restore runs at close to raw read bandwidth.
+tensor as a view into that buffer (torch.frombuffer): no second copy, so restore
+runs at close to raw read bandwidth. With an `alloc` it reads each tensor straight
+into the caller's memory; memory that is not on the CPU (a GPU state buffer) is
+never handed to a host read: the bytes go to a host staging buffer (pinned when
+CUDA is available), are checksummed there, and are copied to the device with a
+non-blocking copy that overlaps the next tensor's read.
 
 Every failure is a SnapshotFileError with a short machine `reason`:
 unreadable, truncated, checksum, foreign_namespace, key_mismatch, version,
-position_past_key, tokens_mismatch (geometry is the caller's validate step).
+position_past_key, tokens_mismatch (geometry is the caller's validate step), and
+for what is not a snapshot at all: symlink, not_regular.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import secrets
+import stat
 import struct
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,7 +66,7 @@ import xxhash
 
 from keepwarm.engine.cache.snapshot import Snapshot
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: header_checksum covers every metadata field and the tensor table
 FORMAT_NAME = "keepwarm.snapshot"
 TOKENS = "meta.tokens"  # [key_tokens] int32: the key's token ids
 SUFFIX = ".safetensors"
@@ -55,6 +74,9 @@ TMP_SUFFIX = ".tmp"
 
 _MAX_HEADER = 64 << 20  # a header beyond this is not ours (safetensors caps at 100 MB)
 _ALIGN = 8
+_HEADER_CHECKSUM = "header_checksum"
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 _DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -77,7 +99,7 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in _DTYPES.items()}
 
 # Where a restore may put a tensor: (name, dtype, shape) -> a contiguous tensor of
 # exactly that dtype and shape (e.g. rows of a live state's preallocated buffer,
-# whose pages are already mapped), or None for a fresh allocation.
+# whose pages are already mapped; on any device), or None for a fresh CPU allocation.
 Alloc = Callable[[str, torch.dtype, tuple[int, ...]], "torch.Tensor | None"]
 
 
@@ -138,6 +160,110 @@ def tmp_writer_pid(name: str) -> int | None:
         return None
 
 
+# ---- no-follow file system access below the cache root ---------------------------------
+
+
+def _rel_parts(path: Path, root: Path | None) -> tuple[Path, tuple[str, ...]]:
+    """(trusted folder, untrusted components below it). Without a root only the file
+    name itself is untrusted."""
+    if root is None:
+        return path.parent, (path.name,)
+    parts = path.relative_to(root).parts
+    assert parts and ".." not in parts, f"{path} is not below {root}"
+    return root, parts
+
+
+@contextlib.contextmanager
+def _dir_fd(path: Path, root: Path | None, *, create: bool = False, fsync: bool = False) -> Iterator[int]:
+    """An fd of `path`'s parent folder, every component below `root` opened O_NOFOLLOW
+    (created when `create`; each new level made durable when `fsync`). A symlink or a
+    non-directory on the way raises SnapshotFileError('symlink' / 'not_regular')."""
+    base, parts = _rel_parts(path, root)
+    if create:
+        base.mkdir(parents=True, exist_ok=True)
+    fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in parts[:-1]:
+            try:
+                nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(part, 0o755, dir_fd=fd)
+                    if fsync:
+                        os.fsync(fd)
+                nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                    kind = _lstat_kind(part, fd)
+                    raise SnapshotFileError(kind, f"{part} in {path} is not a folder") from e
+                raise
+            os.close(fd)
+            fd = nfd
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _lstat_kind(name: str, dir_fd: int) -> str:
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return "not_regular"
+    return "symlink" if stat.S_ISLNK(st.st_mode) else "not_regular"
+
+
+def _open_in(name: str, dir_fd: int) -> int:
+    """Open a regular file for reading, never through a link, never blocking on a FIFO."""
+    try:
+        fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise SnapshotFileError("symlink", f"{name} is a symbolic link") from e
+        if e.errno in (errno.ENXIO, errno.EISDIR, errno.ENOTDIR):
+            raise SnapshotFileError("not_regular", f"{name}: {e.strerror}") from e
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise SnapshotFileError("not_regular", f"{name} is not a regular file")
+    return fd
+
+
+@contextlib.contextmanager
+def open_regular(path: Path, root: Path | None = None) -> Iterator[int]:
+    """A read fd of `path`, which must be a regular file reached without following a
+    link below `root`. FileNotFoundError passes through; a link, folder, FIFO or device
+    raises SnapshotFileError('symlink' / 'not_regular')."""
+    with _dir_fd(path, root) as dfd:
+        fd = _open_in(path.name, dfd)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _read_exact(fd: int, n: int, offset: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = os.pread(fd, n - len(out), offset + len(out))
+        if not chunk:
+            break
+        out += chunk
+    return bytes(out)
+
+
+# ---- header -----------------------------------------------------------------------------
+
+
+def _header_checksum(meta: Mapping[str, object], table: Mapping[str, object]) -> str:
+    """xxh3_64 of every metadata field but the checksum itself, and the tensor table."""
+    covered = {k: v for k, v in meta.items() if k != _HEADER_CHECKSUM}
+    blob = json.dumps({"meta": covered, "tensors": table}, sort_keys=True, separators=(",", ":"))
+    return xxhash.xxh3_64_hexdigest(blob.encode())
+
+
 def _parse_header(raw: bytes | memoryview, file_size: int) -> SnapshotHeader:
     """Parse and structurally validate the header; `raw` holds at least the header bytes."""
     if file_size < 8 or len(raw) < 8:
@@ -155,6 +281,8 @@ def _parse_header(raw: bytes | memoryview, file_size: int) -> SnapshotHeader:
         version = int(meta["format_version"])
         if version != FORMAT_VERSION:
             raise SnapshotFileError("version", f"format version {version}, this build reads {FORMAT_VERSION}")
+        if meta.get(_HEADER_CHECKSUM) != _header_checksum(meta, doc):
+            raise SnapshotFileError("checksum", "header fields do not match their checksum")
         checksums = json.loads(meta["checksums"])
         tensors: dict[str, TensorEntry] = {}
         for name, d in doc.items():
@@ -208,40 +336,131 @@ def _check_table(h: SnapshotHeader) -> None:
         raise SnapshotFileError("unreadable", f"negative position {h.position}")
 
 
-def read_header(path: Path) -> SnapshotHeader:
+def _read_head(fd: int) -> tuple[bytes, int]:
+    """(8-byte length + JSON header as far as the file has it, file size)."""
+    size = os.fstat(fd).st_size
+    head = _read_exact(fd, 8, 0)
+    if len(head) == 8:
+        (n,) = struct.unpack("<Q", head)
+        if n <= _MAX_HEADER:
+            head += _read_exact(fd, n, 8)
+    return head, size
+
+
+def read_header(path: Path, *, root: Path | None = None) -> SnapshotHeader:
     """Header only (index rebuild): reads 8 bytes plus the JSON, never the payload.
-    Checks structure, version and that the stat size matches the header."""
+    Checks structure, version, the header checksum and that the stat size matches."""
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            head = f.read(8)
-            if len(head) == 8:
-                (n,) = struct.unpack("<Q", head)
-                if n <= _MAX_HEADER:
-                    head += f.read(n)
-    except FileNotFoundError:
+        with open_regular(path, root) as fd:
+            head, size = _read_head(fd)
+    except (FileNotFoundError, SnapshotFileError):
         raise
     except OSError as e:
         raise SnapshotFileError("unreadable", repr(e)) from e
     return _parse_header(head, size)
 
 
-def _read_all(path: Path) -> torch.Tensor:
-    """The whole file as a uint8 tensor, one sequential read into one buffer.
+@dataclass(frozen=True)
+class FileIdentity:
+    """What a file claims to be, from a leniently parsed header (no checksum checks):
+    enough to decide that a file is a keepwarm snapshot the cache may delete."""
+
+    namespace: str
+    key: str
+
+
+def read_identity(path: Path, *, root: Path | None = None) -> FileIdentity | None:
+    """The claimed (namespace, key) of a regular keepwarm snapshot file at `path`;
+    None when it is anything else (a link, a folder, an unparseable or foreign file).
+    FileNotFoundError passes through."""
+    try:
+        with open_regular(path, root) as fd:
+            head, _ = _read_head(fd)
+    except SnapshotFileError:
+        return None
+    except FileNotFoundError:
+        raise
+    except OSError:
+        return None
+    if len(head) < 8:
+        return None
+    (n,) = struct.unpack("<Q", head[:8])
+    try:
+        meta = json.loads(head[8 : 8 + n])["__metadata__"]
+        if meta.get("format") != FORMAT_NAME:
+            return None
+        return FileIdentity(str(meta["namespace"]), str(meta["key"]))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def unlink_if_ours(path: Path, *, root: Path | None = None) -> bool:
+    """Delete `path` when it is a regular keepwarm snapshot file reached without links
+    below `root` (read_identity says so); otherwise leave it. True when deleted."""
+    try:
+        with _dir_fd(path, root) as dfd:
+            try:
+                fd = _open_in(path.name, dfd)
+            except (FileNotFoundError, SnapshotFileError):
+                return False
+            try:
+                ino = os.fstat(fd).st_ino
+                head, _ = _read_head(fd)
+            finally:
+                os.close(fd)
+            if not _is_keepwarm_head(head):
+                return False
+            st = os.stat(path.name, dir_fd=dfd, follow_symlinks=False)
+            if st.st_ino != ino or not stat.S_ISREG(st.st_mode):
+                return False  # swapped meanwhile: not the file we checked
+            os.unlink(path.name, dir_fd=dfd)
+            return True
+    except (FileNotFoundError, SnapshotFileError):
+        return False
+
+
+def _is_keepwarm_head(head: bytes) -> bool:
+    if len(head) < 8:
+        return False
+    (n,) = struct.unpack("<Q", head[:8])
+    try:
+        meta = json.loads(head[8 : 8 + n])["__metadata__"]
+        return bool(meta.get("format") == FORMAT_NAME)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def unlink_tmp(path: Path, *, root: Path | None = None) -> bool:
+    """Delete a regular temp file (never a link or a folder). True when deleted."""
+    try:
+        with _dir_fd(path, root) as dfd:
+            st = os.stat(path.name, dir_fd=dfd, follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode):
+                return False
+            os.unlink(path.name, dir_fd=dfd)
+            return True
+    except (FileNotFoundError, SnapshotFileError):
+        return False
+
+
+# ---- payload ----------------------------------------------------------------------------
+
+
+def _read_all(fd: int) -> torch.Tensor:
+    """The whole file as a uint8 CPU tensor, one sequential read into one buffer.
 
     torch.empty, not bytearray: no zero-fill pass, so this runs at raw read speed.
     Loops only on short reads (a single read() returns at most ~2 GiB on Linux).
     """
-    with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        buf = torch.empty(size, dtype=torch.uint8)
-        view = buf.numpy().data
-        got = 0
-        while got < size:
-            n = f.readinto(view[got:])
-            if not n:
-                break
-            got += n
+    size = os.fstat(fd).st_size
+    buf = torch.empty(size, dtype=torch.uint8, device="cpu")
+    view = buf.numpy().data
+    got = 0
+    while got < size:
+        n = os.readv(fd, [view[got:]])
+        if not n:
+            break
+        got += n
     return buf[:got]
 
 
@@ -257,22 +476,24 @@ def read_snapshot(
     tokens: Sequence[int] | None = None,
     key: str | None = None,
     alloc: Alloc | None = None,
+    root: Path | None = None,
 ) -> tuple[Snapshot, list[int]]:
     """Load and verify one file: (snapshot, key token ids).
 
-    Verifies format version, namespace (and key when given), position <= key
-    tokens, file size = header + data, every checksum, and the token ids when
-    `tokens` is given. Without `alloc` the returned tensors are views into one
-    buffer holding the file; with it, each tensor is read straight into the
-    memory `alloc` names (no intermediate copy; on failure that memory holds
-    garbage). FileNotFoundError passes through (a miss, not a bad file); every
-    other problem raises SnapshotFileError.
+    Verifies format version, header checksum, namespace (and key when given),
+    position <= key tokens, file size = header + data, every checksum, and the token
+    ids when `tokens` is given. Without `alloc` the returned tensors are views into
+    one CPU buffer holding the file; with it, each tensor lands in the memory `alloc`
+    names (CPU: read straight into it; another device: through a host staging buffer;
+    on failure that memory holds garbage). FileNotFoundError passes through (a miss,
+    not a bad file); every other problem raises SnapshotFileError.
     """
-    if alloc is not None:
-        return _read_into(path, namespace=namespace, tokens=tokens, key=key, alloc=alloc)
     try:
-        buf = _read_all(path)
-    except FileNotFoundError:
+        with open_regular(path, root) as fd:
+            if alloc is not None:
+                return _read_into(fd, namespace=namespace, tokens=tokens, key=key, alloc=alloc)
+            buf = _read_all(fd)
+    except (FileNotFoundError, SnapshotFileError):
         raise
     except OSError as e:
         raise SnapshotFileError("unreadable", repr(e)) from e
@@ -291,60 +512,110 @@ def read_snapshot(
     return Snapshot(header.position, tensors), stored
 
 
+class _Staging:
+    """Host bounce buffers for reads whose destination is not CPU memory: two slots
+    (pinned when CUDA is available) so the device copy of one tensor overlaps the
+    file read of the next; a slot is reused only after its copy has completed."""
+
+    def __init__(self) -> None:
+        self.pin = torch.cuda.is_available()
+        self.slots: list[torch.Tensor | None] = [None, None]
+        self.events: list[torch.cuda.Event | None] = [None, None]
+        self.turn = 0
+
+    def take(self, nbytes: int) -> tuple[int, torch.Tensor]:
+        i = self.turn
+        self.turn ^= 1
+        ev = self.events[i]
+        if ev is not None:
+            ev.synchronize()
+            self.events[i] = None
+        buf = self.slots[i]
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=self.pin)
+            self.slots[i] = buf
+        return i, buf[:nbytes]
+
+    def copied(self, i: int, dest: torch.Tensor) -> None:
+        if dest.device.type == "cuda":
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(dest.device))
+            self.events[i] = ev
+
+    def drain(self) -> None:
+        for i, ev in enumerate(self.events):
+            if ev is not None:
+                ev.synchronize()
+                self.events[i] = None
+
+
+def _readinto_exact(fd: int, raw: memoryview, offset: int, name: str) -> None:
+    got = 0
+    while got < len(raw):
+        k = os.preadv(fd, [raw[got:]], offset + got)
+        if not k:
+            raise SnapshotFileError("truncated", f"{name}: file ended early")
+        got += k
+
+
 def _read_into(
-    path: Path, *, namespace: str, tokens: Sequence[int] | None, key: str | None, alloc: Alloc
+    fd: int, *, namespace: str, tokens: Sequence[int] | None, key: str | None, alloc: Alloc
 ) -> tuple[Snapshot, list[int]]:
     """read_snapshot reading each tensor into its destination, in file order."""
+    head, size = _read_head(fd)
+    header = _parse_header(head, size)
+    header.check(namespace=namespace, key=key)
+    tensors: dict[str, torch.Tensor] = {}
+    staging: _Staging | None = None
     try:
-        with open(path, "rb", buffering=0) as f:
-            size = os.fstat(f.fileno()).st_size
-            head = f.read(8)
-            n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
-            head += f.read(min(n, _MAX_HEADER))
-            header = _parse_header(head, size)
-            header.check(namespace=namespace, key=key)
-            tensors: dict[str, torch.Tensor] = {}
-            for name, t in sorted(header.tensors.items(), key=lambda kv: kv[1].begin):
-                dest = alloc(name, t.dtype, t.shape) if name != TOKENS else None
-                if (
-                    dest is None
-                    or dest.dtype != t.dtype
-                    or tuple(dest.shape) != t.shape
-                    or not dest.is_contiguous()
-                ):
-                    dest = torch.empty(t.shape, dtype=t.dtype)
-                raw = dest.reshape(-1).view(torch.uint8).numpy().data if dest.numel() else memoryview(b"")
-                f.seek(header.data_start + t.begin)
-                got = 0
-                while got < len(raw):
-                    k = f.readinto(raw[got:])
-                    if not k:
-                        raise SnapshotFileError("truncated", f"{name}: file ended early")
-                    got += k
+        for name, t in sorted(header.tensors.items(), key=lambda kv: kv[1].begin):
+            dest = alloc(name, t.dtype, t.shape) if name != TOKENS else None
+            if (
+                dest is None
+                or dest.dtype != t.dtype
+                or tuple(dest.shape) != t.shape
+                or not dest.is_contiguous()
+            ):
+                dest = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+            nbytes = t.end - t.begin
+            offset = header.data_start + t.begin
+            if dest.device.type == "cpu":
+                raw = dest.reshape(-1).view(torch.uint8).numpy().data if nbytes else memoryview(b"")
+                _readinto_exact(fd, raw, offset, name)
                 if xxhash.xxh3_64_hexdigest(raw) != header.checksums[name]:
                     raise SnapshotFileError("checksum", name)
-                tensors[name] = dest
-    except (FileNotFoundError, SnapshotFileError):
-        raise
-    except OSError as e:
-        raise SnapshotFileError("unreadable", repr(e)) from e
+            else:
+                # Device memory is never handed to a host read: bounce through host memory.
+                staging = staging or _Staging()
+                slot, host = staging.take(nbytes)
+                raw = host.numpy().data
+                _readinto_exact(fd, raw, offset, name)
+                if xxhash.xxh3_64_hexdigest(raw) != header.checksums[name]:
+                    raise SnapshotFileError("checksum", name)
+                if nbytes:
+                    dest.reshape(-1).view(torch.uint8).copy_(host, non_blocking=True)
+                    staging.copied(slot, dest)
+            tensors[name] = dest
+    finally:
+        if staging is not None:
+            staging.drain()  # the staging buffers must outlive every copy out of them
     stored = tensors.pop(TOKENS).tolist()
     if tokens is not None and list(tokens) != stored:
         raise SnapshotFileError("tokens_mismatch", _divergence(stored, tokens))
     return Snapshot(header.position, tensors), stored
 
 
-def read_tokens(path: Path, *, namespace: str, key: str | None = None) -> list[int]:
+def read_tokens(path: Path, *, namespace: str, key: str | None = None, root: Path | None = None) -> list[int]:
     """The key's token ids alone (header + `meta.tokens`, checksum verified), without
     reading the payload: enough to explain where a prompt diverged from an entry."""
-    header = read_header(path)
-    header.check(namespace=namespace, key=key)
-    t = header.tensors[TOKENS]
     try:
-        with open(path, "rb", buffering=0) as f:
-            f.seek(header.data_start + t.begin)
-            raw = f.read(t.end - t.begin)
-    except FileNotFoundError:
+        with open_regular(path, root) as fd:
+            head, size = _read_head(fd)
+            header = _parse_header(head, size)
+            header.check(namespace=namespace, key=key)
+            t = header.tensors[TOKENS]
+            raw = _read_exact(fd, t.end - t.begin, header.data_start + t.begin)
+    except (FileNotFoundError, SnapshotFileError):
         raise
     except OSError as e:
         raise SnapshotFileError("unreadable", repr(e)) from e
@@ -364,8 +635,12 @@ def _divergence(stored: Sequence[int], wanted: Sequence[int]) -> str:
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
-    """The raw bytes of a CPU tensor (contiguous copy only when it is not already)."""
-    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    """The raw bytes of a tensor as host memory: a device tensor is copied to the host
+    first (numpy views and checksums only ever see CPU memory)."""
+    flat = t.detach()
+    if flat.device.type != "cpu":
+        flat = flat.to("cpu")
+    flat = flat.contiguous().reshape(-1)
     return flat.view(torch.uint8).numpy().data
 
 
@@ -376,19 +651,6 @@ def fsync_dir(d: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _ensure_dir(d: Path, fsync: bool) -> None:
-    """mkdir -p; when fsync, make each newly created level durable in its parent."""
-    if d.is_dir():
-        return
-    _ensure_dir(d.parent, fsync)
-    try:
-        d.mkdir()
-    except FileExistsError:
-        return
-    if fsync:
-        fsync_dir(d.parent)
 
 
 @dataclass(frozen=True)
@@ -411,7 +673,8 @@ def encode_snapshot(
     snapshot: Snapshot,
     created: float,
 ) -> EncodedSnapshot:
-    """Checksums and header for one entry (the tensor bytes stay where they are).
+    """Checksums and header for one entry (the tensor bytes stay where they are when
+    they are CPU memory).
 
     Raises ValueError for a snapshot that cannot be stored: position past the key
     (the guard), the reserved `meta.tokens` name, or an unsupported dtype.
@@ -442,7 +705,7 @@ def encode_snapshot(
         }
         offset += len(v)
         views.append(v)
-    doc["__metadata__"] = {
+    meta: dict[str, str] = {
         "format": FORMAT_NAME,
         "format_version": str(FORMAT_VERSION),
         "namespace": namespace,
@@ -453,44 +716,59 @@ def encode_snapshot(
         "checksum_algo": "xxh3_64",
         "checksums": json.dumps(checksums, sort_keys=True),
     }
+    meta[_HEADER_CHECKSUM] = _header_checksum(meta, doc)
+    doc["__metadata__"] = meta
     body = json.dumps(doc, separators=(",", ":")).encode()
     body += b" " * (-(8 + len(body)) % _ALIGN)
     return EncodedSnapshot(struct.pack("<Q", len(body)) + body, tuple(views))
 
 
-def publish(path: Path, encoded: EncodedSnapshot, *, fsync: bool = True) -> int | None:
+def publish(
+    path: Path, encoded: EncodedSnapshot, *, fsync: bool = True, root: Path | None = None
+) -> int | None:
     """Write `encoded` to a temp file beside `path`, fsync, link it to `path`, fsync the
-    folder. Returns the size, or None when `path` already exists (never rewritten).
+    folder. Returns the size, or None when `path` already exists (never rewritten; also
+    when something that is not ours sits there). Folders below `root` are created or
+    entered without following links (a link there raises SnapshotFileError).
     OSError (disk full...) propagates after the temp file is removed."""
-    if path.exists():
-        return None
-    _ensure_dir(path.parent, fsync)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}")
-    try:
-        with open(tmp, "xb") as f:
-            f.write(encoded.header)
-            for v in encoded.views:
-                f.write(v)
-            f.flush()
-            if fsync:
-                os.fsync(f.fileno())
+    tmp_name = f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
+    with _dir_fd(path, root, create=True, fsync=fsync) as dfd:
         try:
-            os.link(tmp, path)  # no-overwrite publish: fails if another writer got there first
-        except FileExistsError:
+            os.stat(path.name, dir_fd=dfd, follow_symlinks=False)
             return None
-        except OSError:
-            # Filesystems without hard links: rename overwrites, but a key's content is
-            # determined by its key, so a lost race replaces a file by an equivalent one.
-            if path.exists():
-                return None
-            os.rename(tmp, path)
-    finally:
-        try:
-            os.unlink(tmp)
         except FileNotFoundError:
             pass
-    if fsync:
-        fsync_dir(path.parent)
+        fd = os.open(
+            tmp_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd
+        )
+        try:
+            with os.fdopen(fd, "wb", closefd=True) as f:
+                f.write(encoded.header)
+                for v in encoded.views:
+                    f.write(v)
+                f.flush()
+                if fsync:
+                    os.fsync(f.fileno())
+            try:
+                # no-overwrite publish: fails if another writer (or anything else) got there first
+                os.link(tmp_name, path.name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
+            except FileExistsError:
+                return None
+            except OSError as e:
+                if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS):
+                    raise
+                # Filesystems without hard links: rename overwrites, but a key's content is
+                # determined by its key, so a lost race replaces a file by an equivalent one.
+                try:
+                    os.stat(path.name, dir_fd=dfd, follow_symlinks=False)
+                    return None
+                except FileNotFoundError:
+                    os.rename(tmp_name, path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp_name, dir_fd=dfd)
+        if fsync:
+            os.fsync(dfd)
     return encoded.size
 
 
@@ -503,6 +781,7 @@ def write_snapshot(
     snapshot: Snapshot,
     fsync: bool = True,
     created: float | None = None,
+    root: Path | None = None,
 ) -> int | None:
     """encode_snapshot + publish: the file's size, or None when `path` already exists."""
     encoded = encode_snapshot(
@@ -512,4 +791,4 @@ def write_snapshot(
         snapshot=snapshot,
         created=time.time() if created is None else created,
     )
-    return publish(path, encoded, fsync=fsync)
+    return publish(path, encoded, fsync=fsync, root=root)

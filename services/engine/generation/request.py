@@ -20,9 +20,39 @@ class RequestError(ValueError):
 
 
 @dataclass(frozen=True)
+class Constraint:
+    """What constrained decoding must make the reply (built into a token matcher by
+    generation/grammar.py): `json_object`, `json_schema` (`schema`, `strict`), or a tool
+    call: `tool_required` (any of `tools`) / `tool_named` (`tool_name`)."""
+
+    kind: str
+    schema: dict[str, Any] | None = None
+    strict: bool = False
+    tools: tuple[dict[str, Any], ...] = ()
+    tool_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("json_object", "json_schema", "tool_required", "tool_named"):
+            raise RequestError(f"unknown constraint kind {self.kind!r}", param="response_format")
+        if self.kind == "json_schema" and not isinstance(self.schema, dict):
+            raise RequestError(
+                "response_format.json_schema.schema must be an object", param="response_format"
+            )
+        if self.kind in ("tool_required", "tool_named") and not self.tools:
+            raise RequestError("tool_choice needs tools", param="tool_choice")
+        if self.kind == "tool_named" and self.tool_name not in {t["function"]["name"] for t in self.tools}:
+            raise RequestError(
+                f"tool_choice names {self.tool_name!r}, which is not in tools", param="tool_choice"
+            )
+
+
+@dataclass(frozen=True)
 class GenerateRequest:
     """Exactly one of `messages` (chat, rendered by the model's template) or
-    `prompt_tokens` (raw ids) is set."""
+    `prompt_tokens` (raw ids) is set.
+
+    Fields from `n` down are sampler features: parsed and validated, but the request
+    parser refuses values other than their defaults until the sampler implements them."""
 
     sampling: SamplingParams = field(default_factory=SamplingParams)
     messages: tuple[dict[str, Any], ...] | None = None
@@ -32,6 +62,39 @@ class GenerateRequest:
     cache_salt: str = ""
     session_hint: SessionHint | None = None
     request_id: str = ""
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (e.g. enable_thinking)
+    n: int = 1  # choices sampled from one prefill
+    logprobs: bool = False
+    top_logprobs: int = 0  # 0..20, with logprobs
+    presence_penalty: float = 0.0  # -2..2
+    frequency_penalty: float = 0.0  # -2..2
+    repetition_penalty: float = 1.0  # > 0; 1 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in -100..100)
+    constraint: Constraint | None = None
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.n <= 128:
+            raise RequestError(f"n must be in 1..128, got {self.n}", param="n")
+        if not 0 <= self.top_logprobs <= 20:
+            raise RequestError(
+                f"top_logprobs must be in 0..20, got {self.top_logprobs}", param="top_logprobs"
+            )
+        if self.top_logprobs and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise RequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}", param=name)
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise RequestError(
+                f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}",
+                param="repetition_penalty",
+            )
+        for token, bias in self.logit_bias:
+            if token < 0 or not -100.0 <= bias <= 100.0:
+                raise RequestError(
+                    f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {token}: {bias}",
+                    param="logit_bias",
+                )
 
 
 @dataclass(frozen=True)

@@ -1,20 +1,17 @@
-"""Drives a backend: prefill in chunks that also stop exactly at snapshot
-positions (recurrent and compressed state cannot be cut back later), and
-records what cold prefill costs on this machine."""
+"""Runs one step's batch through the backend, and keeps what cold prefill costs on
+this machine (to say what a restore saved)."""
 
 from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from keepwarm.engine.cache.snapshot import Snapshot
-from keepwarm.engine.models.backend import Backend, State
-
-OnSnapshot = Callable[[int, Snapshot], None]
+from keepwarm.engine.generation.scheduler import Scheduled
+from keepwarm.engine.models.backend import Backend
 
 
 @dataclass
@@ -48,53 +45,39 @@ class PrefillClock:
         return self.seconds[j] * num_tokens / self.sizes[j]
 
 
+@dataclass(frozen=True)
+class StepOutput:
+    logits: dict[int, torch.Tensor]  # seq_id -> [vocab] float32 after its last fed token
+    seconds: float
+    num_tokens: int
+
+
 class Runner:
-    def __init__(self, backend: Backend, chunk_size: int) -> None:
+    def __init__(self, backend: Backend) -> None:
         self.backend = backend
-        self.chunk_size = chunk_size
         self.clock = PrefillClock()
 
-    def _sync(self) -> None:
-        if self.backend.device.type == "cuda":
-            torch.cuda.synchronize(self.backend.device)
-
-    def prefill(
-        self,
-        state: State,
-        tokens: Sequence[int],
-        snapshot_at: Sequence[int] = (),
-        on_snapshot: OnSnapshot | None = None,
-        should_stop: Callable[[], bool] | None = None,
-    ) -> torch.Tensor | None:
-        """Advance `state` over `tokens` (absolute positions state.position...).
-        At each absolute position in `snapshot_at` the state is exported to
-        `on_snapshot`. Returns the last logits, or None when `should_stop` fired."""
-        start = state.position
-        end = start + len(tokens)
-        stops = sorted({p for p in snapshot_at if start < p <= end})
-        ids = torch.tensor(list(tokens), dtype=torch.long, device=self.backend.device)
+    def run(self, batch: Sequence[Scheduled]) -> StepOutput:
+        """One forward over every entry that feeds tokens; entries with 0 tokens take the
+        logits their state already holds (an exact cache hit)."""
         t0 = time.perf_counter()
-        logits = state.logits
-        pos = start
-        callback_s = 0.0  # snapshot copies are not prefill work
-        while pos < end:
-            nxt = min(pos + self.chunk_size, end)
-            k = bisect.bisect_right(stops, pos)
-            if k < len(stops):
-                nxt = min(nxt, stops[k])
-            logits = self.backend.prefill(state, ids[pos - start : nxt - start])
-            assert state.position == nxt, f"backend advanced to {state.position}, expected {nxt}"
-            pos = nxt
-            if on_snapshot is not None and pos in stops:
-                t_cb = time.perf_counter()
-                on_snapshot(pos, self.backend.export(state))
-                callback_s += time.perf_counter() - t_cb
-            if should_stop is not None and should_stop():
-                return None
-        self._sync()
-        if start == 0 and end > 0:
-            self.clock.record(end, time.perf_counter() - t0 - callback_s)
-        return logits
-
-    def decode(self, state: State, token: int) -> torch.Tensor:
-        return self.backend.decode(state, token)
+        work = [b for b in batch if b.num_tokens > 0]
+        out: dict[int, torch.Tensor] = {}
+        if work:
+            states, chunks = [], []
+            for b in work:
+                seq, state = b.seq, b.seq.state
+                assert state is not None and state.position + b.num_tokens <= state.capacity
+                p = state.position
+                states.append(state)
+                chunks.append(torch.tensor(seq.tokens[p : p + b.num_tokens], dtype=torch.long))
+            logits = self.backend.step(states, chunks)
+            if self.backend.device.type == "cuda":
+                torch.cuda.synchronize(self.backend.device)
+            for b, row in zip(work, logits, strict=True):
+                out[b.seq.seq_id] = row
+        for b in batch:
+            if b.num_tokens == 0:
+                assert b.seq.state is not None and b.seq.state.logits is not None
+                out[b.seq.seq_id] = b.seq.state.logits
+        return StepOutput(out, time.perf_counter() - t0, sum(b.num_tokens for b in work))

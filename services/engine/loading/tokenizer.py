@@ -219,6 +219,10 @@ class Tokenizer:
         tok = self._backend.id_to_token(token_id)
         return None if tok is None else str(tok)
 
+    def json_text(self) -> str:
+        """The tokenizer as `tokenizer.json` text, added tokens included (for grammar libraries)."""
+        return str(self._backend.to_str())
+
     def special_token_id(self, name: str) -> int | None:
         """Id of a named special token ("bos_token", "eos_token", ...); None when the config names none."""
         tok = self.special_tokens.get(name)

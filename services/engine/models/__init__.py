@@ -20,6 +20,8 @@ MODEL_TYPE_TO_FAMILY = {
     "qwen3_5_moe_text": "qwen3_5",
     "qwen3_5_moe": "qwen3_5",
     "deepseek_v4": "deepseek_v4",
+    "laguna": "laguna",
+    "gpt_oss": "gpt_oss",
 }
 
 

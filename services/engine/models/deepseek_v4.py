@@ -35,6 +35,7 @@ an exported snapshot (views, no copy) stays valid while the live state moves on.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +43,7 @@ import torch.nn.functional as F
 
 from keepwarm.engine.cache.snapshot import LOGITS, Geometry, Snapshot, SnapshotMismatch, TensorSpec
 from keepwarm.engine.loading.checkpoint import Checkpoint
-from keepwarm.engine.models.backend import State
+from keepwarm.engine.models.backend import State, step_each
 from keepwarm.engine.models.deepseek_v4_config import CSA, HASH_MOE, HCA, SLIDING, DeepseekV4Config
 from keepwarm.engine.models.deepseek_v4_weights import (
     demo_config,
@@ -317,6 +318,9 @@ class DeepseekV4Backend:
     # -- compute -----------------------------------------------------------------------
     def prefill(self, state: State, tokens: torch.Tensor) -> torch.Tensor:
         return self.forward(state, tokens)[-1]
+
+    def step(self, states: Sequence[State], chunks: Sequence[torch.Tensor]) -> torch.Tensor:
+        return step_each(self, states, chunks)
 
     def decode(self, state: State, token: int) -> torch.Tensor:
         return self.forward(state, torch.tensor([token], device=self.device))[-1]

@@ -8,6 +8,7 @@ State per layer: preallocated K and V rows, `layers.{i}.k` / `layers.{i}.v`
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,49 +157,82 @@ class DenseBackend:
 
     # -- compute -------------------------------------------------------------
     def prefill(self, state: State, tokens: torch.Tensor) -> torch.Tensor:
-        return self.forward(state, tokens)[0]
+        return self._forward([state], [tokens])[0]
 
     def decode(self, state: State, token: int) -> torch.Tensor:
-        return self.forward(state, torch.tensor([token], device=self.device))[0]
+        return self._forward([state], [torch.tensor([token], device=self.device)])[0]
 
-    @torch.inference_mode()
+    def step(self, states: Sequence[State], chunks: Sequence[torch.Tensor]) -> torch.Tensor:
+        return self._forward(states, chunks)
+
     def forward(self, state: State, tokens: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
         """Advance `state` by `tokens` [T]; logits [1 or T, vocab] float32."""
+        return self._forward([state], [tokens], all_logits)
+
+    @torch.inference_mode()
+    def _forward(
+        self, states: Sequence[State], chunks: Sequence[torch.Tensor], all_logits: bool = False
+    ) -> torch.Tensor:
+        """Advance each state by its chunk in one pass: the projections and the MLP run over
+        all T = sum(n_i) tokens; RoPE, the K/V write and attention per sequence.
+        Logits [B, vocab] float32 (after each chunk's last token), or [T, vocab] with
+        `all_logits` (one sequence only)."""
         c, ops = self.cfg, self.ops
-        t = int(tokens.shape[0])
-        start = state.position
-        end = start + t
-        assert end <= state.capacity, f"state capacity {state.capacity} exceeded ({end} tokens)"
-        tokens = tokens.to(self.device)
+        lens = [int(ch.shape[0]) for ch in chunks]
+        starts = [s.position for s in states]
+        for s, n in zip(states, lens, strict=True):
+            assert n >= 1 and s.position + n <= s.capacity, f"state capacity {s.capacity} exceeded"
+        t = sum(lens)
+        tokens = torch.cat([ch.reshape(-1) for ch in chunks]).to(self.device)
         x = F.embedding(tokens, self.embed)
-        cos, sin = self.rope.cos_sin(start, t, self.dtype)
+        if len(states) == 1:
+            cos, sin = self.rope.cos_sin(starts[0], t, self.dtype)
+        else:
+            positions = torch.cat([torch.arange(p, p + n) for p, n in zip(starts, lens, strict=True)])
+            cos, sin = self.rope.cos_sin_at(positions, self.dtype)
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         for i, layer in enumerate(self.layers):
             h = ops.rms_norm(x, layer.input_norm, c.rms_norm_eps)
             q, k, v = ops.linear(h, layer.w_qkv, layer.b_qkv).split([q_size, kv_size, kv_size], dim=-1)
             q = q.view(t, c.num_heads, c.head_dim)
             k = k.view(t, c.num_kv_heads, c.head_dim)
+            v = v.view(t, c.num_kv_heads, c.head_dim)
             if layer.q_norm is not None and layer.k_norm is not None:
                 q = ops.rms_norm(q, layer.q_norm, c.rms_norm_eps)
                 k = ops.rms_norm(k, layer.k_norm, c.rms_norm_eps)
             q = ops.rotary(q, cos, sin)
             k = ops.rotary(k, cos, sin)
-            k_cache, v_cache = state.tensors[f"layers.{i}.k"], state.tensors[f"layers.{i}.v"]
-            k_cache[start:end] = k
-            v_cache[start:end] = v.view(t, c.num_kv_heads, c.head_dim)
-            if t == 1:
-                attn = ops.decode_attention(q[0], k_cache[:end], v_cache[:end], self.scale).unsqueeze(0)
-            else:
-                attn = ops.prefill_attention(q, k_cache[:end], v_cache[:end], self.scale)
+            outs = []
+            off = 0
+            for state, start, n in zip(states, starts, lens, strict=True):
+                end = start + n
+                k_cache, v_cache = state.tensors[f"layers.{i}.k"], state.tensors[f"layers.{i}.v"]
+                k_cache[start:end] = k[off : off + n]
+                v_cache[start:end] = v[off : off + n]
+                if n == 1:
+                    outs.append(
+                        ops.decode_attention(q[off], k_cache[:end], v_cache[:end], self.scale).unsqueeze(0)
+                    )
+                else:
+                    outs.append(
+                        ops.prefill_attention(q[off : off + n], k_cache[:end], v_cache[:end], self.scale)
+                    )
+                off += n
+            attn = outs[0] if len(outs) == 1 else torch.cat(outs)
             x = x + ops.linear(attn.reshape(t, q_size), layer.w_o, layer.b_o)
             h = ops.rms_norm(x, layer.post_norm, c.rms_norm_eps)
             gate, up = ops.linear(h, layer.w_gate_up, layer.b_gate_up).chunk(2, dim=-1)
             x = x + ops.linear(F.silu(gate) * up, layer.w_down, layer.b_down)
-        if not all_logits:
-            x = x[-1:]
+        if all_logits:
+            assert len(states) == 1, "all_logits is for one sequence"
+        else:
+            last = torch.tensor(lens, device=x.device).cumsum(0) - 1
+            x = x[-1:] if len(states) == 1 else x[last]
         logits = ops.linear(ops.rms_norm(x, self.final_norm, c.rms_norm_eps), self.lm_head).float()
-        state.position = end
-        state.logits = logits[-1]
+        rows = [logits[-1]] if all_logits else list(logits)
+        for state, start, n, row in zip(states, starts, lens, rows, strict=True):
+            state.position = start + n
+            state.logits = row
         return logits
 
 

@@ -20,7 +20,7 @@ snapshot (views, no copy) stays valid while the live state moves on.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from keepwarm.engine.cache.snapshot import LOGITS, Geometry, Snapshot, SnapshotMismatch, TensorSpec
 from keepwarm.engine.loading.checkpoint import Checkpoint, CheckpointError
-from keepwarm.engine.models.backend import State
+from keepwarm.engine.models.backend import State, step_each
 from keepwarm.engine.models.rope import Rope, build_rope
 from keepwarm.kernels.delta_rule import DeltaRuleOps, delta_rule_for
 from keepwarm.kernels.ops import Ops
@@ -278,6 +278,9 @@ class Qwen35Backend:
     # -- compute -------------------------------------------------------------
     def prefill(self, state: State, tokens: torch.Tensor) -> torch.Tensor:
         return self.forward(state, tokens)[-1]
+
+    def step(self, states: Sequence[State], chunks: Sequence[torch.Tensor]) -> torch.Tensor:
+        return step_each(self, states, chunks)
 
     def decode(self, state: State, token: int) -> torch.Tensor:
         return self.forward(state, torch.tensor([token], dtype=torch.int64, device=self.device))[-1]

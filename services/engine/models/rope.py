@@ -31,6 +31,16 @@ class Rope:
         sin = emb.sin() * self.attention_scaling
         return cos.to(dtype), sin.to(dtype)
 
+    def cos_sin_at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, Dr] for arbitrary positions [T] int64 (a batch of sequences at
+        different offsets); elementwise the same arithmetic as `cos_sin`, so the values
+        are bitwise equal for the same position."""
+        freqs = positions.to(self.inv_freq.device, torch.float32)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
+
 
 def rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
     """The rope dict in transformers 5 form, whether config.json has `rope_parameters`

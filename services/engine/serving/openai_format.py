@@ -1,195 +1,514 @@
-"""OpenAI Chat Completions wire format: request parsing with errors that name
-the field, and response / stream-chunk bodies with keepwarm's extensions."""
+"""OpenAI Chat Completions / Completions on the engine: request bodies decoded
+into typed wire models (serving/wire.py) and turned into a GenerateRequest, every
+field honoured or refused with a 400 naming it; replies shaped into response and
+stream-chunk bodies, with tool calls (serving/tool_calls.py) and reasoning
+(serving/reasoning.py) parsed out of the model's text.
+"""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
-from keepwarm.engine.cache.policy import PolicyError, policy_for_request
+from keepwarm.engine.cache.policy import Policy, PolicyError, policy_for_request
 from keepwarm.engine.cache.prefix_cache import SessionHint
-from keepwarm.engine.generation.request import FinishEvent, GenerateRequest, RequestError
+from keepwarm.engine.generation.request import Constraint, FinishEvent, GenerateRequest, RequestError
 from keepwarm.engine.generation.sampling import SamplingError, SamplingParams
+from keepwarm.engine.serving import wire
+from keepwarm.engine.serving.reasoning import ReasoningParser
+from keepwarm.engine.serving.tool_calls import ParsedToolCall, ToolCallParser
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-def _number(body: dict[str, Any], name: str, kind: type, default: Any) -> Any:
-    v = body.get(name, default)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not isinstance(v, int)):
-        raise RequestError(
-            f"{name} must be {'an integer' if kind is int else 'a number'}, got {v!r}", param=name
-        )
-    return kind(v)
+# Request fields whose effect lives in the batched sampler, which does not implement them yet:
+# any value but the neutral one is refused (400 naming the field). Remove a name once it is honoured.
+SAMPLER_PENDING = frozenset(
+    {"n", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
+     "logit_bias", "response_format", "tool_choice"}
+)  # fmt: skip
 
 
-def _flag(body: dict[str, Any], name: str) -> bool:
-    v = body.get(name, False)
-    if not isinstance(v, bool):
-        raise RequestError(f"{name} must be true or false, got {v!r}", param=name)
-    return v
+@dataclass(frozen=True)
+class ReplyShape:
+    """How the model's text becomes a message: which tool-call convention to parse (None:
+    plain text), whether to keep only the first call, whether `<think>` blocks are split out."""
+
+    tool_format: str | None = None
+    first_call_only: bool = False
+    reasoning: bool = False
+    starts_in_reasoning: bool = False
 
 
-def _content_text(content: Any, where: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for i, part in enumerate(content):
-            if (
-                not isinstance(part, dict)
-                or part.get("type") != "text"
-                or not isinstance(part.get("text"), str)
-            ):
-                raise RequestError(
-                    f"{where}.content[{i}] must be {{'type': 'text', 'text': str}} "
-                    "(only text parts are supported)",
-                    param=f"{where}.content",
-                )
-            parts.append(part["text"])
-        return "".join(parts)
-    raise RequestError(f"{where}.content must be a string or a list of text parts", param=f"{where}.content")
+@dataclass(frozen=True)
+class ChatCall:
+    request: GenerateRequest
+    stream: bool
+    include_usage: bool
+    tools_enabled: bool  # tools given and tool_choice is not "none": parse calls out of the reply
+    parallel_tool_calls: bool = True
 
 
-def parse_messages(raw: Any) -> tuple[dict[str, Any], ...]:
-    if not isinstance(raw, list) or not raw:
-        raise RequestError("messages must be a non-empty list of {role, content} objects", param="messages")
-    out = []
-    for i, m in enumerate(raw):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise RequestError(f"{where} must be an object with role and content", param=where)
-        role = m.get("role")
-        if role not in ROLES:
-            raise RequestError(
-                f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", param=f"{where}.role"
-            )
-        msg = {k: v for k, v in m.items() if k in ("name", "tool_calls", "tool_call_id")}
-        msg["role"] = "system" if role == "developer" else role
-        msg["content"] = _content_text(m.get("content"), where)
-        out.append(msg)
-    return tuple(out)
+@dataclass(frozen=True)
+class CompletionCall:
+    request: GenerateRequest
+    stream: bool
+    include_usage: bool
+    prompt_text: str | None = None  # None: the prompt came as token ids
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
-def parse_chat_request(
-    body: Any, max_tokens_limit: int, default_policy: Any, trusted: bool = True
-) -> GenerateRequest:
-    """`trusted` is False for bodies that came from clients directly: cache_salt and
-    session_hint are only honoured from the gateway."""
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    messages = parse_messages(body.get("messages"))
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", int, 256)
-    if max_tokens < 1 or max_tokens > max_tokens_limit:
-        raise RequestError(
-            f"max_tokens must be in 1..{max_tokens_limit}, got {max_tokens}", param="max_tokens"
-        )
-    n = _number(body, "n", int, 1)
-    if n != 1:
-        raise RequestError("n must be 1 (one choice per request)", param="n")
-    stop = body.get("stop")
-    if stop is None:
-        stops: tuple[str, ...] = ()
-    elif isinstance(stop, str):
-        stops = (stop,)
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        stops = tuple(stop)
-    else:
-        raise RequestError("stop must be a string or a list of strings", param="stop")
+def _wire(raw: bytes, kind: type[wire.T]) -> wire.T:
     try:
-        sampling = SamplingParams(
+        return wire.decode(raw, kind)
+    except wire.WireError as e:
+        raise RequestError(str(e), status=e.status, param=e.param) from None
+
+
+def _refuse_pending(body: Any, names: tuple[str, ...]) -> None:
+    neutral: dict[str, Any] = {
+        "n": (None, 1),
+        "logprobs": (None, False, 0),
+        "top_logprobs": (None, 0),
+        "presence_penalty": (None, 0, 0.0),
+        "frequency_penalty": (None, 0, 0.0),
+        "repetition_penalty": (None, 1, 1.0),
+        "logit_bias": (None,),
+    }
+    for name in names:
+        if name not in SAMPLER_PENDING or name not in neutral:
+            continue
+        value = getattr(body, name, None)
+        if value in neutral[name] or (name == "logit_bias" and value == {}):
+            continue
+        raise RequestError(
+            f"{name} is not supported by this engine yet (the sampler does not implement it); "
+            f"remove it or send its default",
+            param=name,
+        )
+
+
+def _max_tokens(value: int | None, param: str, limit: int, default: int) -> int:
+    n = default if value is None else value
+    if not 1 <= n <= limit:
+        raise RequestError(f"{param} must be in 1..{limit}, got {n}", param=param)
+    return n
+
+
+def _sampling(body: wire.SamplingFields, max_tokens: int) -> SamplingParams:
+    stop = body.stop
+    stops = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
+    if body.top_p is not None and not 0.0 < body.top_p <= 1.0:
+        raise RequestError(f"top_p must be in (0, 1], got {body.top_p}", param="top_p")
+    try:
+        return SamplingParams(
             max_tokens=max_tokens,
-            temperature=_number(body, "temperature", float, 1.0),  # OpenAI's default
-            top_k=_number(body, "top_k", int, 0),
-            top_p=_number(body, "top_p", float, 1.0),
-            seed=_number(body, "seed", int, None),
+            temperature=1.0 if body.temperature is None else body.temperature,  # OpenAI's default
+            top_k=body.top_k or 0,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            seed=body.seed,
             stop=stops,
-            ignore_eos=_flag(body, "ignore_eos"),
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos,
         )
     except SamplingError as e:
         raise RequestError(str(e), param=str(e).split(" ", 1)[0]) from e
-    pc = body.get("prefix_cache")
-    if pc is not None and not isinstance(pc, dict):
-        raise RequestError("prefix_cache must be an object {scope, window}", param="prefix_cache")
+
+
+def _cache_fields(
+    body: wire.SamplingFields, default_policy: Policy, trusted: bool
+) -> tuple[Policy, str, SessionHint | None]:
+    pc = body.prefix_cache
     try:
-        policy = policy_for_request(default_policy, (pc or {}).get("scope"), (pc or {}).get("window"))
+        policy = policy_for_request(default_policy, pc.scope if pc else None, pc.window if pc else None)
     except PolicyError as e:
         raise RequestError(str(e), param="prefix_cache") from e
-    salt = ""
-    hint = None
-    if trusted:
-        salt_raw = body.get("cache_salt", "")
-        if not isinstance(salt_raw, str):
-            raise RequestError("cache_salt must be a string", param="cache_salt")
-        salt = salt_raw
-        h = body.get("session_hint")
-        if h is not None:
-            if not (
-                isinstance(h, dict) and isinstance(h.get("key"), str) and isinstance(h.get("tokens"), int)
-            ):
-                raise RequestError("session_hint must be {key: str, tokens: int}", param="session_hint")
-            hint = SessionHint(h["key"], h["tokens"])
-    tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise RequestError("tools must be a list", param="tools")
-    return GenerateRequest(
-        sampling=sampling,
+    if not trusted:  # cache_salt and session_hint are the gateway's to set, never a client's
+        return policy, "", None
+    hint = body.session_hint
+    return policy, body.cache_salt or "", SessionHint(hint.key, hint.tokens) if hint else None
+
+
+def _stream_flags(body: wire.SamplingFields) -> tuple[bool, bool]:
+    if body.stream_options is not None and not body.stream:
+        raise RequestError("stream_options is only allowed with stream: true", param="stream_options")
+    return body.stream, bool(body.stream_options and body.stream_options.include_usage)
+
+
+def _message_dict(i: int, m: wire.ChatMessage) -> dict[str, Any]:
+    """A message as the chat template sees it (transformers' shape)."""
+    where = f"messages[{i}]"
+    if m.tool_calls is not None and m.role != "assistant":
+        raise RequestError(
+            f"{where}.tool_calls is only allowed on assistant messages", param=f"{where}.tool_calls"
+        )
+    if m.tool_call_id is not None and m.role != "tool":
+        raise RequestError(
+            f"{where}.tool_call_id is only allowed on tool messages", param=f"{where}.tool_call_id"
+        )
+    if m.annotations:
+        raise RequestError(
+            f"{where}.annotations are not supported; remove them", param=f"{where}.annotations"
+        )
+    if m.refusal is not None and m.role != "assistant":
+        raise RequestError(f"{where}.refusal is only allowed on assistant messages", param=f"{where}.refusal")
+    if isinstance(m.content, list):
+        parts = []
+        for j, part in enumerate(m.content):
+            if not isinstance(part, wire.TextPart):
+                raise RequestError(
+                    f"{where}.content[{j}] is {type(part).__name__}: only text parts are supported",
+                    param=f"{where}.content",
+                )
+            parts.append(part.text)
+        content = "".join(parts)
+    else:
+        content = m.content if m.content is not None else (m.refusal or "")
+    msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
+    if m.name is not None:
+        msg["name"] = m.name
+    if m.tool_call_id is not None:
+        msg["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        msg["tool_calls"] = [
+            {
+                **({"id": c.id} if c.id is not None else {}),
+                "type": "function",
+                "function": {"name": c.function.name, "arguments": c.function.arguments},
+            }
+            for c in m.tool_calls
+        ]
+    reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+    if reasoning is not None:
+        msg["reasoning_content"] = reasoning
+    return msg
+
+
+def _constraint(body: wire.ChatCompletionRequest, tools: tuple[dict[str, Any], ...]) -> Constraint | None:
+    rf = body.response_format
+    tc = body.tool_choice
+    if tc is not None and tc != "none" and not tools:
+        raise RequestError("tool_choice needs a non-empty tools list", param="tool_choice")
+    if isinstance(tc, wire.NamedToolChoice) and tc.function.name not in {
+        t["function"]["name"] for t in tools
+    }:
+        raise RequestError(
+            f"tool_choice names {tc.function.name!r}, which is not in tools",
+            param="tool_choice.function.name",
+        )
+    tool_constraint = None
+    if tc == "required":
+        tool_constraint = Constraint("tool_required", tools=tools)
+    elif isinstance(tc, wire.NamedToolChoice):
+        tool_constraint = Constraint("tool_named", tools=tools, tool_name=tc.function.name)
+    format_constraint = None
+    if isinstance(rf, wire.JsonObjectFormat):
+        format_constraint = Constraint("json_object")
+    elif isinstance(rf, wire.JsonSchemaFormat):
+        spec = rf.json_schema
+        format_constraint = Constraint("json_schema", schema=spec.schema or {}, strict=bool(spec.strict))
+    if tool_constraint and format_constraint:
+        raise RequestError(
+            "response_format and a forced tool_choice cannot both constrain one reply; send one",
+            param="response_format",
+        )
+    chosen = tool_constraint or format_constraint
+    if chosen is not None:
+        param = "tool_choice" if tool_constraint else "response_format"
+        if param in SAMPLER_PENDING:
+            instead = (
+                "send tool_choice auto or none"
+                if tool_constraint
+                else "send response_format text or leave it out"
+            )
+            raise RequestError(
+                f"{param} ({chosen.kind}) needs constrained decoding, which this engine does not run yet; {instead}",
+                param=param,
+            )
+    return chosen
+
+
+def parse_chat_request(
+    raw: bytes, max_tokens_limit: int, default_policy: Policy, trusted: bool = True
+) -> ChatCall:
+    """`trusted` is False for bodies that came from clients directly: cache_salt and
+    session_hint are only honoured from the gateway."""
+    body = _wire(raw, wire.ChatCompletionRequest)
+    if body.max_tokens is not None and body.max_completion_tokens is not None:
+        param = "max_completion_tokens"
+        if body.max_tokens != body.max_completion_tokens:
+            raise RequestError(
+                "send max_completion_tokens or max_tokens, not both with different values", param
+            )
+    max_tokens = _max_tokens(
+        body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
+        "max_tokens",
+        max_tokens_limit,
+        256,
+    )
+    _refuse_pending(body, ("n", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
+                           "repetition_penalty", "logit_bias"))  # fmt: skip
+    if body.top_logprobs and not body.logprobs:
+        raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+    stream, include_usage = _stream_flags(body)
+    messages = tuple(_message_dict(i, m) for i, m in enumerate(body.messages))
+    tools = tuple(
+        {"type": "function", "function": {k: v for k, v in _plain(t.function).items() if v is not None}}
+        for t in body.tools or ()
+    )
+    if body.tools is not None and not body.tools:
+        raise RequestError("tools must not be empty; leave it out instead", param="tools")
+    constraint = _constraint(body, tools)
+    policy, salt, hint = _cache_fields(body, default_policy, trusted)
+    req = GenerateRequest(
+        sampling=_sampling(body, max_tokens),
         messages=messages,
-        tools=tuple(tools) if tools else None,
+        tools=tools or None,
+        policy=policy,
+        cache_salt=salt,
+        session_hint=hint,
+        chat_template_kwargs=dict(body.chat_template_kwargs) if body.chat_template_kwargs else None,
+        constraint=constraint,
+        logit_bias=tuple((_token_id(k), float(v)) for k, v in (body.logit_bias or {}).items()),
+    )
+    return ChatCall(
+        request=req,
+        stream=stream,
+        include_usage=include_usage,
+        tools_enabled=bool(tools) and body.tool_choice != "none",
+        parallel_tool_calls=body.parallel_tool_calls is not False,
+    )
+
+
+def _token_id(key: str) -> int:
+    if not key.isdigit():
+        raise RequestError(
+            f"logit_bias keys are token ids written as strings, got {key!r}", param="logit_bias"
+        )
+    return int(key)
+
+
+def _plain(s: Any) -> dict[str, Any]:
+    import msgspec
+
+    out = msgspec.to_builtins(s)
+    assert isinstance(out, dict)
+    return out
+
+
+def parse_completion_request(
+    raw: bytes, max_tokens_limit: int, default_policy: Policy, trusted: bool = True
+) -> CompletionCall:
+    """Legacy completions: `prompt` as text (tokenized by the caller) or token ids."""
+    body = _wire(raw, wire.CompletionRequest)
+    max_tokens = _max_tokens(body.max_tokens, "max_tokens", max_tokens_limit, 16)  # OpenAI's default
+    _refuse_pending(body, ("n", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                           "logit_bias"))  # fmt: skip
+    stream, include_usage = _stream_flags(body)
+    policy, salt, hint = _cache_fields(body, default_policy, trusted)
+    text = body.prompt if isinstance(body.prompt, str) else None
+    if text is not None and not text:
+        raise RequestError("prompt must not be empty", param="prompt")
+    req = GenerateRequest(
+        sampling=_sampling(body, max_tokens),
+        prompt_tokens=None if text is not None else tuple(body.prompt),  # type: ignore[arg-type]
         policy=policy,
         cache_salt=salt,
         session_hint=hint,
     )
+    return CompletionCall(request=req, stream=stream, include_usage=include_usage, prompt_text=text)
 
 
-def usage_body(ev: FinishEvent) -> dict[str, Any]:
-    return {
-        "prompt_tokens": ev.prompt_tokens,
-        "completion_tokens": ev.completion_tokens,
-        "total_tokens": ev.prompt_tokens + ev.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": ev.cached_tokens},
-        "timings": ev.timings.as_dict(),
-    }
+# --- replies ---------------------------------------------------------------------------------
 
 
-def keepwarm_body(ev: FinishEvent, namespace: str) -> dict[str, Any]:
-    return {"prefix_key": ev.prefix_key, "prefix_tokens": ev.prefix_tokens, "namespace": namespace}
+class ReplyParser:
+    """One per choice: the model's text, fed as it streams, split into reasoning, content and
+    tool calls. `feed(text)` / `finish()` return the Delta to send (None when nothing is certain yet)."""
+
+    def __init__(self, shape: ReplyShape) -> None:
+        self.shape = shape
+        self._reasoning = ReasoningParser(shape.starts_in_reasoning) if shape.reasoning else None
+        self._tools = ToolCallParser(shape.tool_format, shape.first_call_only) if shape.tool_format else None
+        self.reasoning_text = ""
+        self.content_text = ""
+        self.calls: list[ParsedToolCall] = []
+
+    def _delta(self, reasoning: str, content: str, calls: list[ParsedToolCall]) -> wire.Delta | None:
+        self.reasoning_text += reasoning
+        self.content_text += content
+        first = len(self.calls)
+        self.calls.extend(calls)
+        if not (reasoning or content or calls):
+            return None
+        return wire.Delta(
+            reasoning_content=reasoning or wire.UNSET,
+            content=content or wire.UNSET,
+            tool_calls=[
+                wire.ToolCallDelta(
+                    index=first + k,
+                    id=c.id,
+                    type="function",
+                    function=wire.ToolCallFunctionDelta(name=c.name, arguments=c.arguments),
+                )
+                for k, c in enumerate(calls)
+            ]
+            or wire.UNSET,
+        )
+
+    def _split(self, reasoning: str, content: str) -> wire.Delta | None:
+        calls: list[ParsedToolCall] = []
+        if self._tools is not None and content:
+            content, calls = self._tools.feed(content)
+        return self._delta(reasoning, content, calls)
+
+    def feed(self, text: str) -> wire.Delta | None:
+        if self._reasoning is not None:
+            reasoning, content = self._reasoning.feed(text)
+        else:
+            reasoning, content = "", text
+        return self._split(reasoning, content)
+
+    def finish(self) -> wire.Delta | None:
+        reasoning, content = self._reasoning.finish() if self._reasoning is not None else ("", "")
+        calls: list[ParsedToolCall] = []
+        if self._tools is not None:
+            if content:
+                content, calls = self._tools.feed(content)
+            more, last = self._tools.finish()
+            content, calls = content + more, calls + last
+        return self._delta(reasoning, content, calls)
+
+    def finish_reason(self, engine_reason: str) -> str:
+        # A reply that stopped normally after calling tools finished for the tools (as OpenAI reports it).
+        return "tool_calls" if self.calls and engine_reason == "stop" else engine_reason
+
+    def message(self) -> wire.AssistantMessage:
+        return wire.AssistantMessage(
+            content=self.content_text if (self.content_text or not self.calls) else None,
+            reasoning_content=self.reasoning_text or wire.UNSET,
+            tool_calls=[
+                wire.ToolCallOut(id=c.id, function=wire.ToolCallFunction(name=c.name, arguments=c.arguments))
+                for c in self.calls
+            ]
+            or wire.UNSET,
+        )
 
 
-def completion_body(rid: str, model: str, ev: FinishEvent, namespace: str) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": ev.text},
-                "finish_reason": ev.finish_reason,
-                "logprobs": None,
-            }
+def usage(ev: FinishEvent) -> wire.Usage:
+    return wire.Usage(
+        prompt_tokens=ev.prompt_tokens,
+        completion_tokens=ev.completion_tokens,
+        total_tokens=ev.prompt_tokens + ev.completion_tokens,
+        prompt_tokens_details=wire.PromptTokensDetails(cached_tokens=ev.cached_tokens),
+        timings=ev.timings.as_dict(),
+    )
+
+
+def keepwarm_info(ev: FinishEvent, namespace: str) -> wire.KeepwarmInfo:
+    return wire.KeepwarmInfo(prefix_key=ev.prefix_key, prefix_tokens=ev.prefix_tokens, namespace=namespace)
+
+
+def completion_body(
+    rid: str, model: str, ev: FinishEvent, namespace: str, shape: ReplyShape | None = None
+) -> bytes:
+    """The non-streaming chat completion for a finished reply."""
+    parser = ReplyParser(shape or ReplyShape())
+    parser.feed(ev.text)
+    parser.finish()
+    body = wire.ChatCompletion(
+        id=rid,
+        created=int(time.time()),
+        model=model,
+        choices=[
+            wire.Choice(
+                index=0, message=parser.message(), finish_reason=parser.finish_reason(ev.finish_reason)
+            )
         ],
-        "usage": usage_body(ev),
-        "keepwarm": keepwarm_body(ev, namespace),
-    }
+        usage=usage(ev),
+        keepwarm=keepwarm_info(ev, namespace),
+    )
+    return wire.encode(body)
 
 
-def chunk_body(
-    rid: str, model: str, created: int, delta: dict[str, Any], finish: str | None
-) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
-    }
+class ChunkWriter:
+    """The SSE chunks of one streamed chat completion, in OpenAI's order: a role chunk,
+    content / reasoning / tool-call deltas, the finish chunk, then — only when the client
+    asked with stream_options.include_usage — one chunk with `choices: []` and the usage."""
+
+    def __init__(self, rid: str, model: str, shape: ReplyShape, include_usage: bool) -> None:
+        self.rid = rid
+        self.model = model
+        self.created = int(time.time())
+        self.include_usage = include_usage
+        self.parser = ReplyParser(shape)
+
+    def _chunk(self, delta: wire.Delta, finish: str | None = None) -> bytes:
+        return wire.encode(
+            wire.ChatCompletionChunk(
+                id=self.rid,
+                created=self.created,
+                model=self.model,
+                choices=[wire.ChunkChoice(index=0, delta=delta, finish_reason=finish)],
+            )
+        )
+
+    def start(self) -> bytes:
+        return self._chunk(wire.Delta(role="assistant", content=""))
+
+    def text(self, text: str) -> bytes | None:
+        delta = self.parser.feed(text)
+        return self._chunk(delta) if delta is not None else None
+
+    def finish(self, ev: FinishEvent, namespace: str) -> list[bytes]:
+        out = []
+        delta = self.parser.finish()
+        if delta is not None:
+            out.append(self._chunk(delta))
+        out.append(self._chunk(wire.Delta(), self.parser.finish_reason(ev.finish_reason)))
+        if self.include_usage:
+            out.append(
+                wire.encode(
+                    wire.ChatCompletionChunk(
+                        id=self.rid,
+                        created=self.created,
+                        model=self.model,
+                        choices=[],
+                        usage=usage(ev),
+                        keepwarm=keepwarm_info(ev, namespace),
+                    )
+                )
+            )
+        return out
+
+
+def text_completion_body(rid: str, model: str, ev: FinishEvent, namespace: str) -> bytes:
+    return wire.encode(
+        wire.Completion(
+            id=rid,
+            created=int(time.time()),
+            model=model,
+            choices=[wire.CompletionChoice(index=0, text=ev.text, finish_reason=ev.finish_reason)],
+            usage=usage(ev),
+            keepwarm=keepwarm_info(ev, namespace),
+        )
+    )
+
+
+def text_completion_chunk(
+    rid: str, model: str, created: int, text: str, finish: str | None, ev: FinishEvent | None = None,
+    namespace: str = "",
+) -> bytes:  # fmt: skip
+    """A streamed completions chunk; with `ev`, the usage chunk (choices: [])."""
+    choices = [] if ev is not None else [wire.CompletionChoice(index=0, text=text, finish_reason=finish)]
+    return wire.encode(
+        wire.Completion(
+            id=rid,
+            created=created,
+            model=model,
+            choices=choices,
+            usage=usage(ev) if ev is not None else None,
+            keepwarm=keepwarm_info(ev, namespace) if ev is not None else wire.UNSET,
+        )
+    )
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:

@@ -4,12 +4,13 @@ extensions, models, health, Prometheus metrics and the cache admin API."""
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import shutil
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from litestar import Litestar, Request, Response, delete, get, post
@@ -20,14 +21,20 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from keepwarm.engine.config import EngineConfig
 from keepwarm.engine.engine import Engine, Event
 from keepwarm.engine.generation.request import FinishEvent, RequestError, TokenEvent
+from keepwarm.engine.serving import wire
+from keepwarm.engine.serving.drain_rate import DrainRate
 from keepwarm.engine.serving.openai_format import (
-    chunk_body,
+    ChunkWriter,
+    ReplyShape,
     completion_body,
     error_body,
-    keepwarm_body,
     parse_chat_request,
-    usage_body,
+    parse_completion_request,
+    text_completion_body,
+    text_completion_chunk,
 )
+from keepwarm.engine.serving.reasoning import prompt_opens_reasoning, uses_think_tags
+from keepwarm.engine.serving.tool_calls import detect_format
 from keepwarm.engine.serving.worker import Job, QueueFull, Worker
 
 
@@ -69,6 +76,26 @@ class EngineCollector:
         yield CounterMetricFamily("keepwarm_completion_tokens", "Generated tokens", value=s.completion_tokens)
         yield CounterMetricFamily("keepwarm_snapshots_saved", "Snapshots taken", value=s.snapshots_saved)
         yield GaugeMetricFamily("keepwarm_queue_depth", "Requests queued or running", value=self.worker.depth)
+        yield GaugeMetricFamily(
+            "keepwarm_running_sequences", "Sequences running", value=self.worker.num_running
+        )
+        yield GaugeMetricFamily(
+            "keepwarm_waiting_sequences", "Sequences waiting to be admitted", value=self.worker.num_waiting
+        )
+        yield CounterMetricFamily("keepwarm_steps", "Engine steps (batched forwards)", value=s.steps)
+        yield CounterMetricFamily("keepwarm_step_tokens", "Tokens fed by all steps", value=s.step_tokens)
+        yield CounterMetricFamily("keepwarm_step_seconds", "Time spent in steps", value=s.step_seconds)
+        yield CounterMetricFamily(
+            "keepwarm_preemptions", "Sequences preempted (snapshot to RAM) for memory", value=s.preemptions
+        )
+        yield GaugeMetricFamily(
+            "keepwarm_state_memory_bytes", "Sequence state memory in use", value=self.engine.memory.used_bytes
+        )
+        yield GaugeMetricFamily(
+            "keepwarm_state_memory_budget_bytes",
+            "Sequence state memory budget",
+            value=self.engine.memory.budget_bytes,
+        )
         mem = self.engine.cache.memory
         if mem is not None:
             ms = mem.stats()
@@ -101,9 +128,18 @@ class EngineCollector:
             yield rejected
 
 
-def _sse(obj: dict[str, Any] | str) -> bytes:
+def _sse(obj: dict[str, Any] | str | bytes) -> bytes:
+    if isinstance(obj, bytes):
+        return b"data: " + obj + b"\n\n"
     data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
     return f"data: {data}\n\n".encode()
+
+
+def _decode(raw: bytes, kind: type[wire.T]) -> wire.T:
+    try:
+        return wire.decode(raw, kind)
+    except wire.WireError as e:
+        raise RequestError(str(e), status=e.status, param=e.param) from None
 
 
 def create_app(engine: Engine, cfg: EngineConfig) -> Litestar:
@@ -115,11 +151,14 @@ def create_app(engine: Engine, cfg: EngineConfig) -> Litestar:
         buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
     )
 
+    drain = DrainRate()  # measured queue drain, for the 429's Retry-After
+
     def observe(ev: Event) -> None:
         if isinstance(ev, FinishEvent):
             ttft.observe(ev.timings.ttft_ms / 1000)
+            drain.finished(max(0, worker.depth - 1))
 
-    worker = Worker(engine, cfg.queue_size, on_event=observe)
+    worker = Worker(engine, on_event=observe)
     registry.register(EngineCollector(engine, worker))  # type: ignore[arg-type]
     model_id = cfg.served_name
 
@@ -127,10 +166,17 @@ def create_app(engine: Engine, cfg: EngineConfig) -> Litestar:
         if isinstance(e, RequestError):
             return Response(error_body(str(e), e.status, e.param), status_code=e.status)
         if isinstance(e, QueueFull):
+            depth, rate = worker.depth, drain.rate()
+            wait = drain.retry_after_s(depth)
+            pace = f"draining at {rate:.3f} requests/s" if rate is not None else "no drain rate measured yet"
             return Response(
-                error_body(f"the engine queue is full ({cfg.queue_size} requests); retry shortly", 429),
+                error_body(
+                    f"the engine queue is full ({cfg.queue_size} requests); {depth} requests ahead, "
+                    f"{pace}; retry after {wait} s",
+                    429,
+                ),
                 status_code=429,
-                headers={"Retry-After": "1"},
+                headers={"Retry-After": str(wait)},
             )
         return Response(error_body(f"internal error: {type(e).__name__}: {e}", 500), status_code=500)
 
@@ -149,27 +195,117 @@ def create_app(engine: Engine, cfg: EngineConfig) -> Litestar:
             raise item
         return item
 
+    tool_format = detect_format(engine.template.source)
+    thinks = uses_think_tags(engine.template.source)
+
+    def reply_shape(tools_enabled: bool, parallel: bool, prompt_tokens: list[int]) -> ReplyShape:
+        tail = engine.tokenizer.decode(prompt_tokens[-16:], skip_special_tokens=False) if thinks else ""
+        return ReplyShape(
+            tool_format=tool_format if tools_enabled else None,
+            first_call_only=not parallel,
+            reasoning=thinks,
+            starts_in_reasoning=thinks and prompt_opens_reasoning(tail),
+        )
+
     @post("/v1/chat/completions", status_code=200)
     async def chat_completions(request: Request[Any, Any, Any]) -> Response[Any]:
-        try:
-            body = await request.json()
-        except Exception:
-            raise RequestError("the request body is not valid JSON") from None
-        req = parse_chat_request(body, cfg.max_tokens_limit, engine.default_policy)
-        if body.get("stream") is not None and not isinstance(body.get("stream"), bool):
-            raise RequestError("stream must be true or false", param="stream")
+        call = parse_chat_request(await request.body(), cfg.max_tokens_limit, engine.default_policy)
+        req = call.request
         prompt = await asyncio.to_thread(engine.prepare, req)
+        shape = reply_shape(call.tools_enabled, call.parallel_tool_calls, prompt.tokens)
         rid = "chatcmpl-" + uuid.uuid4().hex[:24]
+        if worker.depth == 0:
+            drain.busy()
         job = worker.submit(req, prompt)
-        if not body.get("stream"):
-            return await _complete(job, rid, request)
+        if not call.stream:
+            ev = await _complete(job, request)
+            if ev is None:
+                return Response(content=b"", status_code=499)
+            return Response(
+                completion_body(rid, model_id, ev, engine.namespace, shape), media_type="application/json"
+            )
         return Stream(
-            _stream(job, rid),
+            _stream(job, ChunkWriter(rid, model_id, shape, call.include_usage)),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
-    async def _complete(job: Job, rid: str, request: Request[Any, Any, Any]) -> Response[Any]:
+    @post("/v1/completions", status_code=200)
+    async def completions(request: Request[Any, Any, Any]) -> Response[Any]:
+        call = parse_completion_request(await request.body(), cfg.max_tokens_limit, engine.default_policy)
+        req = call.request
+        if call.prompt_text is not None:
+            ids = await asyncio.to_thread(engine.tokenizer.encode, call.prompt_text, True)
+            req = replace(req, prompt_tokens=tuple(ids))
+        if any(t >= engine.tokenizer.vocab_size for t in req.prompt_tokens or ()):
+            raise RequestError(
+                f"prompt token ids must be below {engine.tokenizer.vocab_size}", param="prompt"
+            )
+        prompt = await asyncio.to_thread(engine.prepare, req)
+        rid = "cmpl-" + uuid.uuid4().hex[:24]
+        if worker.depth == 0:
+            drain.busy()
+        job = worker.submit(req, prompt)
+        if not call.stream:
+            ev = await _complete(job, request)
+            if ev is None:
+                return Response(content=b"", status_code=499)
+            return Response(
+                text_completion_body(rid, model_id, ev, engine.namespace), media_type="application/json"
+            )
+        return Stream(
+            _stream_text(job, rid, call.include_usage),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    @post("/tokenize", status_code=200)
+    async def tokenize(request: Request[Any, Any, Any]) -> Response[Any]:
+        body = _decode(await request.body(), wire.TokenizeRequest)
+        if (body.prompt is None) == (body.messages is None):
+            raise RequestError("send exactly one of prompt (text) or messages (a chat)", param="prompt")
+        if body.prompt is not None:
+            if body.tools is not None or body.chat_template_kwargs is not None:
+                raise RequestError("tools and chat_template_kwargs apply to messages only", param="tools")
+            add = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = await asyncio.to_thread(engine.tokenizer.encode, body.prompt, add)
+        else:
+            if body.add_special_tokens is not None:
+                raise RequestError(
+                    "add_special_tokens applies to prompt only (the chat template places special tokens)",
+                    param="add_special_tokens",
+                )
+            chat = parse_chat_request(
+                wire.encode({"messages": body.messages, "tools": body.tools,
+                             "chat_template_kwargs": body.chat_template_kwargs}),
+                cfg.max_tokens_limit, engine.default_policy, trusted=False,
+            )  # fmt: skip
+            req = chat.request
+            try:
+                rendered = await asyncio.to_thread(
+                    engine.template.encode_chat,
+                    list(req.messages or ()),
+                    body.add_generation_prompt,
+                    list(req.tools) if req.tools else None,
+                    req.chat_template_kwargs,
+                )
+            except ValueError as e:
+                raise RequestError(
+                    f"messages could not be rendered by the chat template: {e}", param="messages"
+                ) from e
+            ids = rendered.tokens
+        out = wire.TokenizeResponse(tokens=list(ids), count=len(ids), max_model_len=cfg.max_context)
+        return Response(wire.encode(out), media_type="application/json")
+
+    @post("/detokenize", status_code=200)
+    async def detokenize(request: Request[Any, Any, Any]) -> Response[Any]:
+        body = _decode(await request.body(), wire.DetokenizeRequest)
+        if any(t >= engine.tokenizer.vocab_size for t in body.tokens):
+            raise RequestError(f"token ids must be below {engine.tokenizer.vocab_size}", param="tokens")
+        text = engine.tokenizer.decode(body.tokens, skip_special_tokens=False)
+        return Response(wire.encode(wire.DetokenizeResponse(prompt=text)), media_type="application/json")
+
+    async def _complete(job: Job, request: Request[Any, Any, Any]) -> FinishEvent | None:
         """Wait for the finish event; a client that disconnects first cancels the job."""
         answer = asyncio.ensure_future(_finish_of(job))
         gone = asyncio.ensure_future(_until_disconnect(request))
@@ -181,9 +317,8 @@ def create_app(engine: Engine, cfg: EngineConfig) -> Litestar:
                 job.cancelled.set()
                 answer.cancel()
         if answer.cancelled():
-            return Response(content=b"", status_code=499)
-        ev = answer.result()
-        return Response(completion_body(rid, model_id, ev, engine.namespace))
+            return None
+        return answer.result()
 
     async def _finish_of(job: Job) -> FinishEvent:
         while True:
@@ -193,10 +328,35 @@ def create_app(engine: Engine, cfg: EngineConfig) -> Litestar:
             if ev is None:
                 raise RuntimeError("generation ended without a finish event")
 
-    async def _stream(job: Job, rid: str) -> AsyncIterator[bytes]:
+    async def _stream(job: Job, out: ChunkWriter) -> AsyncIterator[bytes]:
+        try:
+            yield _sse(out.start())
+            while True:
+                try:
+                    ev = await asyncio.wait_for(next_event(job), timeout=cfg.keepalive_s)
+                except asyncio.TimeoutError:
+                    yield b": keep-alive\n\n"
+                    continue
+                except RequestError as e:
+                    yield _sse(error_body(str(e), e.status, e.param))
+                    break
+                if ev is None:
+                    break
+                if isinstance(ev, TokenEvent):
+                    chunk = out.text(ev.text) if ev.text else None
+                    if chunk is not None:
+                        yield _sse(chunk)
+                elif isinstance(ev, FinishEvent):
+                    for chunk in out.finish(ev, engine.namespace):
+                        yield _sse(chunk)
+                    yield _sse("[DONE]")
+                    break
+        finally:
+            job.cancelled.set()
+
+    async def _stream_text(job: Job, rid: str, include_usage: bool) -> AsyncIterator[bytes]:
         created = int(time.time())
         try:
-            yield _sse(chunk_body(rid, model_id, created, {"role": "assistant", "content": ""}, None))
             while True:
                 try:
                     ev = await asyncio.wait_for(next_event(job), timeout=cfg.keepalive_s)
@@ -210,14 +370,13 @@ def create_app(engine: Engine, cfg: EngineConfig) -> Litestar:
                     break
                 if isinstance(ev, TokenEvent):
                     if ev.text:
-                        yield _sse(chunk_body(rid, model_id, created, {"content": ev.text}, None))
+                        yield _sse(text_completion_chunk(rid, model_id, created, ev.text, None))
                 elif isinstance(ev, FinishEvent):
-                    yield _sse(chunk_body(rid, model_id, created, {}, ev.finish_reason))
-                    final = chunk_body(rid, model_id, created, {}, None)
-                    final["choices"] = []
-                    final["usage"] = usage_body(ev)
-                    final["keepwarm"] = keepwarm_body(ev, engine.namespace)
-                    yield _sse(final)
+                    yield _sse(text_completion_chunk(rid, model_id, created, "", ev.finish_reason))
+                    if include_usage:
+                        yield _sse(
+                            text_completion_chunk(rid, model_id, created, "", None, ev, engine.namespace)
+                        )
                     yield _sse("[DONE]")
                     break
         finally:
@@ -240,7 +399,14 @@ def create_app(engine: Engine, cfg: EngineConfig) -> Litestar:
 
     @get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": model_id, "namespace": engine.namespace, "queue_depth": worker.depth}
+        return {
+            "status": "ok",
+            "model": model_id,
+            "namespace": engine.namespace,
+            "queue_depth": worker.depth,
+            "running": worker.num_running,
+            "waiting": worker.num_waiting,
+        }
 
     @get("/metrics", media_type="text/plain; version=0.0.4")
     async def metrics() -> bytes:
@@ -258,8 +424,32 @@ def create_app(engine: Engine, cfg: EngineConfig) -> Litestar:
         await asyncio.to_thread(worker.stop)
         await asyncio.to_thread(engine.close)
 
+    async def only_the_gateway(request: Request[Any, Any, Any]) -> Response[Any] | None:
+        """With an engine token set, every endpoint but /health (metrics included:
+        they count every tenant's traffic) answers only `Authorization: Bearer <token>`."""
+        if not cfg.engine_token or request.url.path == "/health":
+            return None
+        scheme, _, given = (request.headers.get("authorization") or "").strip().partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(
+            given.strip().encode(), cfg.engine_token.encode()
+        ):
+            return None
+        message = "this engine serves only its gateway: send 'Authorization: Bearer <KEEPWARM_ENGINE_TOKEN>'"
+        return Response(error_body(message, 401), status_code=401)
+
     return Litestar(
-        route_handlers=[chat_completions, models, health, metrics, cache_info, cache_clear],
+        route_handlers=[
+            chat_completions,
+            completions,
+            tokenize,
+            detokenize,
+            models,
+            health,
+            metrics,
+            cache_info,
+            cache_clear,
+        ],
+        before_request=only_the_gateway,
         exception_handlers={Exception: on_error},
         on_shutdown=[shutdown],
         request_max_body_size=32 * 1024 * 1024,
@@ -324,4 +514,6 @@ def serve(cfg: EngineConfig) -> None:
         f"(namespace {engine.namespace[:12]}, cache {cfg.cache_dir})",
         flush=True,
     )
+    if not cfg.engine_token:
+        print("warning: no KEEPWARM_ENGINE_TOKEN: this engine serves anyone who reaches its port", flush=True)
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=5)

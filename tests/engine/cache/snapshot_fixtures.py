@@ -3,10 +3,14 @@ length-dim K/V rows in bf16, a fixed-size recurrent state in fp32 and the logits
 
 from __future__ import annotations
 
+import json
+import struct
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
+from keepwarm.engine.cache import snapshot_file
 from keepwarm.engine.cache.snapshot import LOGITS, Geometry, Snapshot, TensorSpec
 
 VOCAB = 300
@@ -59,3 +63,21 @@ def same_bytes(a: Snapshot, b: Snapshot) -> bool:
         if not torch.equal(t.contiguous().view(torch.uint8), u.contiguous().view(torch.uint8)):
             return False
     return True
+
+
+def forge_header(path: Path, *, rechecksum: bool = True, **fields: str) -> None:
+    """Rewrite metadata fields of a snapshot file in place, as an attacker or a bit flip
+    would; with `rechecksum` the header checksum is recomputed (a forger who knows the
+    format), so only the semantic checks can catch the edit. Offsets stay valid."""
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    doc = json.loads(data[8 : 8 + n])
+    meta = doc.pop("__metadata__")
+    meta.update(fields)
+    if rechecksum:
+        meta["header_checksum"] = snapshot_file._header_checksum(meta, doc)
+    doc["__metadata__"] = meta
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    assert len(body) <= n, "forged header must not grow"
+    body += b" " * (n - len(body))
+    path.write_bytes(data[:8] + body + data[8 + n :])

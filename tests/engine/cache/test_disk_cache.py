@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -14,7 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 from disk_cache_worker import LOOP_DIM, LOOP_HEADS, LOOP_POSITION, entry_tokens, loop_tokens
-from snapshot_fixtures import NAMESPACE, OTHER_NAMESPACE, geometry, make_snapshot, same_bytes, validator
+from snapshot_fixtures import (
+    NAMESPACE,
+    OTHER_NAMESPACE,
+    forge_header,
+    geometry,
+    make_snapshot,
+    same_bytes,
+    validator,
+)
 
 from keepwarm.engine.cache import disk_cache as disk_cache_module
 from keepwarm.engine.cache.disk_cache import HALF_LIFE_S, DiskCache, DiskCacheStats
@@ -100,14 +109,21 @@ def test_round_trip_layout_and_stats(tmp_path: Path) -> None:
         saves=1,
         dropped_saves=0,
         refused_saves=0,
+        refused_for_space=0,
         write_errors=0,
+        enospc=0,
         evictions=0,
         hits=1,
         misses=0,
         rejected_by_reason={},
+        foreign_by_kind={},
+        garbage_rows=0,
+        errors_by_kind={},
         bytes_read=size,
         read_seconds=s.read_seconds,
         pending=0,
+        budget_bytes=1 << 30,
+        min_free_bytes=0,
     )
     assert s.read_seconds > 0
     assert not c.save(k, toks(1), make_snapshot(8, seed=99))  # an existing key is never rewritten
@@ -200,17 +216,15 @@ def test_wrong_tokens_under_a_key_are_rejected(tmp_path: Path) -> None:
     c.close()
 
 
-def _forge_past_key(cache: DiskCache, tokens: list[int], claimed: int) -> Path:
+def _forge_past_key(cache: DiskCache, tokens: list[int], claimed: int, *, rechecksum: bool = True) -> Path:
     """A file stored under a short key claiming a longer snapshot (the #716 bug), made by
-    rewriting the header's position field in place."""
+    rewriting the header's position field in place (and its header checksum, as a forger
+    who knows the format would)."""
     path = cache.path_for(key_of(tokens))
     write_snapshot(
         path, namespace=NAMESPACE, key=key_of(tokens), tokens=tokens, snapshot=make_snapshot(len(tokens))
     )
-    data = path.read_bytes()
-    old, new = f'"position":"{len(tokens)}"'.encode(), f'"position":"{claimed}"'.encode()
-    assert len(old) == len(new) and data.count(old) == 1
-    path.write_bytes(data.replace(old, new))
+    forge_header(path, position=str(claimed), rechecksum=rechecksum)
     return path
 
 
@@ -233,6 +247,12 @@ def test_position_past_key_guard_on_save_and_on_read(tmp_path: Path) -> None:
     assert c.load(key_of(list(range(50, 78))), list(range(50, 78)), VALIDATE) is None
     assert not live_forged.exists()
     assert c.stats().rejected_by_reason == {"position_past_key": 1}
+
+    # Edited without fixing the header checksum: a checksum failure.
+    edited = _forge_past_key(c, list(range(80, 108)), claimed=32, rechecksum=False)
+    assert c.load(key_of(list(range(80, 108))), list(range(80, 108)), VALIDATE) is None
+    assert not edited.exists()
+    assert c.stats().rejected_by_reason == {"position_past_key": 1, "checksum": 1}
 
     # Forged while stopped: rejected and deleted by the restart, the consistent file still hits.
     forged = _forge_past_key(c, short, claimed=32)
@@ -258,6 +278,8 @@ def test_index_is_rebuilt_from_headers_only(tmp_path: Path, monkeypatch: pytest.
     def no_payload_reads(*a: object, **kw: object) -> None:
         raise AssertionError("start-up must not read payloads")
 
+    for db in tmp_path.glob("index.sqlite3*"):
+        db.unlink()  # no index: rebuilt from the headers
     monkeypatch.setattr(disk_cache_module, "read_snapshot", no_payload_reads)
     c2 = open_cache(tmp_path)
     monkeypatch.undo()
@@ -436,8 +458,10 @@ def test_hit_counts_survive_restart_and_merge_across_instances(tmp_path: Path) -
     assert (info[a].hits, info[a].last_used, info[b].hits, info[b].last_used) == (3, 200.0, 1, 200.0)
     assert info[a].decayed_hits == pytest.approx(2 * 2 ** (-100 / HL) + 1)
     c3.close()
-    lines = sorted(line.split()[:3] for line in (tmp_path / NAMESPACE / "hits.log").read_text().splitlines())
-    assert lines == sorted([["S", a, "3"], ["S", b, "1"]])  # compacted at the last start
+    with sqlite3.connect(tmp_path / "index.sqlite3") as db:  # one shared, transactional index
+        rows = sorted(db.execute("SELECT key, hits FROM entries WHERE namespace=?", (NAMESPACE,)))
+    assert rows == sorted([(a, 3), (b, 1)])
+    assert not (tmp_path / NAMESPACE / "hits.log").exists()
 
 
 def test_eviction_sees_another_instances_hits(tmp_path: Path) -> None:
@@ -446,30 +470,30 @@ def test_eviction_sees_another_instances_hits(tmp_path: Path) -> None:
     a, b = put(c1, 0), put(c1, 1)
     c2 = open_cache(tmp_path)
     for _ in range(3):
-        c2.load(a, toks(0), VALIDATE)  # only c2 saw A's hits; c1 reads them from the log
+        c2.load(a, toks(0), VALIDATE)  # only c2 saw A's hits; c1 reads them from the index
     put(c1, 2)
     assert keys_on_disk(c1) == {a, key_of(toks(2))} and not c1.path_for(b).exists()
     c1.close()
     c2.close()
 
 
-def test_idle_refresh_sees_other_instances_files_and_compacts_the_log(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_other_instances_files_and_hits_are_seen_at_once_and_refresh_drops_vanished_files(
+    tmp_path: Path,
 ) -> None:
-    monkeypatch.setattr(disk_cache_module, "_LOG_COMPACT_BYTES", 200)
     c1 = open_cache(tmp_path, refresh_s=0.02)
     c2 = open_cache(tmp_path)
     k = put(c2, 0)
     for _ in range(5):
         c2.load(k, toks(0), VALIDATE)
-    log_file = tmp_path / NAMESPACE / "hits.log"
+    [info] = c1.entries()  # no rescan: the index is shared
+    assert (info.key, info.hits) == (k, 5) and c1.contains(k) and c1.known_lengths() == {10}
+    gone = put(c2, 1)
+    c2.path_for(gone).unlink()  # removed by hand: the idle refresh drops its row
     deadline = time.monotonic() + 30
-    while (c1.stats().num_entries != 1 or "H " in log_file.read_text()) and time.monotonic() < deadline:
+    while c1.stats().num_entries != 1 and time.monotonic() < deadline:
         time.sleep(0.01)
-    [info] = c1.entries()
-    assert (info.key, info.hits) == (k, 5)
-    assert [line.split()[:3] for line in log_file.read_text().splitlines()] == [["S", k, "5"]]
-    c2.load(k, toks(0), VALIDATE)  # appends after another instance compacted: not lost
+    assert {e.key for e in c1.entries()} == {k} and not c1.contains(gone)
+    c1.load(k, toks(0), VALIDATE)
     c1.close()
     c2.close()
     c3 = open_cache(tmp_path)
@@ -573,8 +597,9 @@ def test_stray_temp_files_are_cleaned_only_when_their_writer_is_gone(tmp_path: P
         f.write_bytes(b"partial")
     os.utime(stale_tmp, (time.time() - 3600, time.time() - 3600))
     c = open_cache(tmp_path)
-    assert files(tmp_path, "*.tmp") == [live_tmp]  # a live writer's fresh temp file is left alone
-    assert c.stats().num_bytes == 0
+    # a live writer's fresh temp file is left alone; junk.tmp is not a name the cache writes
+    assert files(tmp_path, "*.tmp") == sorted([live_tmp, junk_tmp])
+    assert c.stats().num_bytes == 0 and c.stats().foreign_by_kind == {"foreign_file": 1}
     c.close()
 
 

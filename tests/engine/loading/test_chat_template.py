@@ -278,3 +278,139 @@ def test_boundary_floors_a_straddling_token(tmp_path: Path, dirs: dict[str, Path
     cut = pieces.index(".\n")  # the straddling token
     assert "".join(pieces[:cut]) == "The river was quiet"
     assert p.boundaries == [cut, len(p.tokens)]
+
+
+# --- one render for every boundary (linear in the number of messages) -----------------
+
+QWEN3_TEMPLATE = (Path(__file__).resolve().parent / "qwen3_template.jinja").read_text(encoding="utf-8")
+THINKING_CHAT: Msgs = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Name a river."},
+    {"role": "assistant", "content": "The Tagus.", "reasoning_content": "Lisbon has one."},
+    {"role": "user", "content": "Weather in Oslo?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "Call the tool.",
+        "tool_calls": [
+            {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+        ],
+    },
+    {"role": "tool", "content": '{"temp": -3}'},
+    {"role": "assistant", "content": "<think>\nCold.\n</think>\n\nIt is -3."},
+    {"role": "user", "content": "Thanks"},
+]
+
+
+def qwen3_dir(base: Path, dirs: dict[str, Path]) -> Path:
+    cfg = json.loads((dirs["chatml"] / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = QWEN3_TEMPLATE
+    return write_dir(base, (dirs["chatml"] / "tokenizer.json").read_text(), cfg)
+
+
+def prefix_render_boundaries(
+    tpl: ChatTemplate, tok: Tokenizer, msgs: Msgs, agp: bool, tools: Any
+) -> list[int]:
+    """The definition, one render per message prefix (quadratic): what encode_chat must equal."""
+    text = tpl.render(msgs, add_generation_prompt=agp, tools=tools)
+    ends = [end for _, end in tok.encode_with_offsets(text)[1]]
+    out: list[int] = []
+    for i in range(1, len(msgs) + 1):
+        if i == len(msgs) and not agp:
+            length = len(text)
+        else:
+            try:
+                prefix = tpl.render(msgs[:i], add_generation_prompt=False, tools=tools)
+            except ChatTemplateError:
+                continue
+            if not prefix or not text.startswith(prefix):
+                continue
+            length = len(prefix)
+        pos = sum(1 for e in ends if e <= length)
+        if pos > 0 and (not out or pos > out[-1]):
+            out.append(pos)
+    return out
+
+
+@pytest.mark.parametrize("agp", [True, False])
+@pytest.mark.parametrize(
+    "kind,msgs,tools",
+    [*CASES, ("qwen3", THINKING_CHAT, None), ("qwen3", THINKING_CHAT, TOOLS), ("qwen3", TOOL_CHAT, TOOLS),
+     ("chatml", THINKING_CHAT, TOOLS)],
+)  # fmt: skip
+def test_boundaries_equal_one_render_per_prefix(
+    tmp_path: Path, dirs: dict[str, Path], kind: str, msgs: Msgs, tools: Any, agp: bool
+) -> None:
+    d = qwen3_dir(tmp_path / "qwen3", dirs) if kind == "qwen3" else dirs[kind]
+    tok, tpl = load(d)
+    prompt = tpl.encode_chat(msgs, add_generation_prompt=agp, tools=tools)
+    expected = prefix_render_boundaries(tpl, tok, msgs, agp, tools)
+    assert prompt.boundaries == expected
+    assert len(expected) >= min(3, len(msgs) - 1)
+
+
+def test_boundaries_cost_grows_linearly_with_the_chat(dirs: dict[str, Path]) -> None:
+    """2,000 messages: the template sees each message a bounded number of times (one render with
+    the generation prompt, one without for the last boundary), not once per prefix."""
+    tok, tpl = load(dirs["chatml"])
+    im_end = tok.token_to_id("<|im_end|>")
+    work = {}
+    for n in (1000, 2000):
+        msgs = [{"role": "system", "content": "Be brief."}] + [
+            {"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i} about the river"}
+            for i in range(n - 1)
+        ]
+        before = tpl.render_work
+        p = tpl.encode_chat(msgs)
+        work[n] = tpl.render_work - before
+        assert p.boundaries == [i + 2 for i, t in enumerate(p.tokens) if t == im_end]
+        assert len(p.boundaries) == n
+    assert work == {1000: 2000, 2000: 4000}
+
+
+def test_lookahead_templates_check_a_bounded_number_of_prefixes(
+    tmp_path: Path, dirs: dict[str, Path]
+) -> None:
+    """Qwen3 scans the whole chat before its loop (last_query_index), so no boundary can be read off
+    the one render: at most MAX_PREFIX_RENDERS prefixes are rendered — the first and the deepest."""
+    from keepwarm.engine.loading.chat_template import MAX_PREFIX_RENDERS
+
+    tok, tpl = load(qwen3_dir(tmp_path / "qwen3", dirs))
+    n = 200
+    msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}"} for i in range(n)]
+    before = tpl.render_work
+    p = tpl.encode_chat(msgs)
+    work = tpl.render_work - before
+    assert work <= n + MAX_PREFIX_RENDERS * n
+    # Every boundary found is one the per-prefix definition gives; the first and the deepest are kept.
+    expected = prefix_render_boundaries(tpl, tok, msgs, True, None)
+    # a prefix ending in an assistant turn (not the last) renders a think block the full chat does not
+    assert len(expected) == n // 2 + 1
+    assert set(p.boundaries) <= set(expected)
+    assert p.boundaries[0] == expected[0] and p.boundaries[-1] == expected[-1]
+    # the first, then prefixes n, n-1, ..., n-14 of which those ending in a user turn (and n itself) hold
+    assert len(p.boundaries) == 1 + 1 + (MAX_PREFIX_RENDERS - 2 + 1) // 2
+
+
+@pytest.mark.parametrize("kwargs", [{"enable_thinking": False}, {"enable_thinking": True}, {}])
+def test_chat_template_kwargs_render_as_transformers(
+    tmp_path: Path, dirs: dict[str, Path], kwargs: dict
+) -> None:
+    d = qwen3_dir(tmp_path / "qwen3", dirs)
+    tok, tpl = load(d)
+    hf = AutoTokenizer.from_pretrained(str(d))
+    msgs = THINKING_CHAT
+    text = tpl.render(msgs, template_kwargs=kwargs)
+    assert text == hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **kwargs)
+    p = tpl.encode_chat(msgs, template_kwargs=kwargs)
+    ids = hf.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, **kwargs)["input_ids"]
+    assert p.tokens == ids
+    assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") == (
+        kwargs == {"enable_thinking": False}
+    )
+
+
+def test_chat_template_kwargs_cannot_replace_engine_variables(dirs: dict[str, Path]) -> None:
+    _, tpl = load(dirs["chatml"])
+    with pytest.raises(ChatTemplateError, match="cannot set 'add_generation_prompt'"):
+        tpl.render(SYSTEM_USER, template_kwargs={"add_generation_prompt": False})

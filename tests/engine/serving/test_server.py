@@ -24,7 +24,8 @@ def engine(tiny_dense_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         tiny_dense_model,
         tmp / "cache",
         tmp / "logs",
-        extra=["--keepalive-s", "0.02", "--max-context", "2048"],
+        # one sequence at a time, so that a second request waits in the queue
+        extra=["--keepalive-s", "0.02", "--max-context", "2048", "--max-seqs", "1"],
     )
     yield proc
     proc.stop()
@@ -65,7 +66,7 @@ def test_metrics_count_requests_hits_and_ttft(engine: Proc) -> None:
 
 
 def test_stream_sends_keepalives_while_queued_then_usage_and_done(engine: Proc) -> None:
-    # A long request holds the single worker, so the stream below waits in the queue.
+    # A long request holds the only running slot (--max-seqs 1): the stream below waits.
     blocker = threading.Thread(
         target=chat, args=(engine, "a long story"), kwargs={"max_tokens": 800, "ignore_eos": True}
     )
@@ -76,7 +77,7 @@ def test_stream_sends_keepalives_while_queued_then_usage_and_done(engine: Proc) 
         time.sleep(0.005)
     lines: list[str] = []
     body = {"messages": [{"role": "user", "content": "stream me"}], "max_tokens": 5, "temperature": 0,
-            "stream": True}  # fmt: skip
+            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     with httpx.stream("POST", engine.url + "/v1/chat/completions", json=body, timeout=120) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in r.iter_lines() if line]

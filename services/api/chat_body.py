@@ -1,0 +1,166 @@
+"""The chat request body as the gateway accepts it: bounded before any work.
+
+`parse_chat_body(raw, max_messages)` returns the request object or raises an
+ApiError naming the field or the limit:
+  - JSON only (NaN / Infinity refused), nested at most MAX_JSON_DEPTH levels
+    (400; a 100,000-deep body is refused without recursing that deep);
+  - `messages` a non-empty list of objects with a string `role`, at most
+    `max_messages` of them (413, KEEPWARM_MAX_MESSAGES);
+  - every numeric field the API defines within its range (400 naming the field),
+    and every other number anywhere in the body a 64-bit integer or a finite float,
+    so no value reaches an engine that it cannot hold (a seed >= 2^64 used to fail
+    only after the prefill had run).
+The engine validates the rest (and names it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from keepwarm.api.errors import ApiError
+
+MAX_JSON_DEPTH = 64  # a chat body needs ~6 levels; tool schemas a few more
+_I32 = 2**31 - 1
+_I64_MIN, _U64_MAX = -(2**63), 2**64 - 1
+_LONG_DIGITS = re.compile(rb"[0-9]{20}")
+
+
+@dataclass(frozen=True)
+class Range:
+    """An inclusive (or open-below) range for one numeric field."""
+
+    low: float
+    high: float
+    integer: bool
+    low_open: bool = False
+
+    def describe(self) -> str:
+        kind = "an integer" if self.integer else "a number"
+        return f"{kind} in {'(' if self.low_open else '['}{_fmt(self.low)}, {_fmt(self.high)}]"
+
+    def holds(self, v: Any) -> bool:
+        if (
+            isinstance(v, bool)
+            or not isinstance(v, (int, float))
+            or (self.integer and not isinstance(v, int))
+        ):
+            return False
+        if isinstance(v, float) and not math.isfinite(v):
+            return False
+        return (self.low < v if self.low_open else self.low <= v) and v <= self.high
+
+
+def _fmt(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+# The numeric fields of the Chat Completions request (plus keepwarm's), with the
+# widest range an engine honours; an engine may refuse more (max_tokens beyond its limit).
+FIELD_RANGES: dict[str, Range] = {
+    "max_tokens": Range(1, _I32, integer=True),
+    "max_completion_tokens": Range(1, _I32, integer=True),
+    "temperature": Range(0, 100, integer=False),
+    "top_p": Range(0, 1, integer=False, low_open=True),
+    "top_k": Range(0, _I32, integer=True),
+    "seed": Range(_I64_MIN, _U64_MAX, integer=True),
+    "n": Range(1, 128, integer=True),
+    "presence_penalty": Range(-2, 2, integer=False),
+    "frequency_penalty": Range(-2, 2, integer=False),
+    "top_logprobs": Range(0, 20, integer=True),
+}
+PREFIX_CACHE_RANGES: dict[str, Range] = {"window": Range(0, _I32, integer=True)}
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ApiError(400, f"request body contains {name}, which is not JSON; send finite numbers")
+
+
+def _check_depth(body: Any) -> None:
+    """Refuses nesting deeper than MAX_JSON_DEPTH, level by level (no recursion)."""
+    level: list[Any] = [body]
+    depth = 1
+    while level:
+        if depth > MAX_JSON_DEPTH:
+            raise _too_deep()
+        nxt: list[Any] = []
+        for node in level:
+            nxt.extend(
+                v for v in (node.values() if isinstance(node, dict) else node) if isinstance(v, (dict, list))
+            )
+        level, depth = nxt, depth + 1
+
+
+def _check_integers(body: Any) -> None:
+    """Refuses any integer outside [-2^63, 2^64 - 1], naming where it is."""
+    stack: list[tuple[Any, str]] = [(body, "")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, dict):
+            stack.extend((v, f"{path}.{k}".lstrip(".")) for k, v in node.items())
+        elif isinstance(node, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(node))
+        elif isinstance(node, int) and not isinstance(node, bool) and not _I64_MIN <= node <= _U64_MAX:
+            raise ApiError(400, f"'{path}' is {node}: numbers must fit in 64 bits", param=path or None)
+
+
+def _too_deep() -> ApiError:
+    return ApiError(
+        400,
+        f"request JSON nests deeper than {MAX_JSON_DEPTH} levels (the gateway's limit); send a flatter body",
+        param=None,
+    )
+
+
+def _check_ranges(obj: dict[str, Any], ranges: dict[str, Range], prefix: str = "") -> None:
+    for name, rng in ranges.items():
+        v = obj.get(name)
+        if v is not None and not rng.holds(v):
+            field = prefix + name
+            raise ApiError(400, f"'{field}' must be {rng.describe()}, got {v!r}", param=field)
+
+
+def parse_chat_body(raw: bytes, max_messages: int) -> dict[str, Any]:
+    """The request object, or an ApiError (400 / 413) naming what is wrong."""
+    try:
+        body = json.loads(raw, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise _too_deep() from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"request body is not valid JSON ({e}); send a JSON object") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object with a 'messages' list")
+    _check_depth(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(
+            400, "'messages' is required: a non-empty list of {role, content} objects", param="messages"
+        )
+    if len(messages) > max_messages:
+        raise ApiError(
+            413,
+            f"'messages' has {len(messages)} entries; the gateway accepts at most {max_messages} "
+            "(KEEPWARM_MAX_MESSAGES); send fewer",
+            param="messages",
+        )
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(
+                400, f"messages[{i}] must be an object with a string 'role'", param=f"messages[{i}].role"
+            )
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise ApiError(400, "'stream' must be true or false", param="stream")
+    if "user" in body and body["user"] is not None and not isinstance(body["user"], str):
+        raise ApiError(400, "'user' must be a string", param="user")
+    _check_ranges(body, FIELD_RANGES)
+    pc = body.get("prefix_cache")
+    if pc is not None:
+        if not isinstance(pc, dict):
+            raise ApiError(400, "'prefix_cache' must be an object {scope, window}", param="prefix_cache")
+        _check_ranges(pc, PREFIX_CACHE_RANGES, "prefix_cache.")
+    if _LONG_DIGITS.search(raw):  # only a run of 20+ digits can be an integer beyond 64 bits
+        _check_integers(body)
+    return body

@@ -1,0 +1,95 @@
+"""The unit the engine schedules: one prompt being prefilled, then decoded.
+
+A sequence owns its state (or, while preempted, the snapshot it was parked as),
+its tokens (prompt then reply), sampler, stop checker, cache policy and save
+points, and its timings. Invariants:
+  - `tokens[:state.position]` is exactly what the state covers;
+  - while decoding, position == len(tokens) - 1: the last sampled token is fed next;
+  - `state` is None unless the sequence is RUNNING.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from keepwarm.engine.cache.policy import Policy
+from keepwarm.engine.cache.prefix_cache import Hit
+from keepwarm.engine.cache.snapshot import Snapshot
+from keepwarm.engine.generation.request import FinishEvent, GenerateRequest, TokenEvent
+from keepwarm.engine.generation.sampling import Sampler
+from keepwarm.engine.generation.stopping import StopChecker
+from keepwarm.engine.models.backend import State
+
+Event = TokenEvent | FinishEvent
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # not admitted yet, or preempted (then `parked` holds its snapshot)
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request: GenerateRequest
+    tokens: list[int]  # prompt, then each sampled token
+    num_prompt_tokens: int
+    boundaries: list[int]  # prompt positions where chat messages end
+    policy: Policy
+    sampler: Sampler
+    stopper: StopChecker
+    max_new_tokens: int
+    on_event: Callable[[Event], None]
+    should_stop: Callable[[], bool]
+    status: Status = Status.WAITING
+    state: State | None = None
+    parked: Snapshot | None = None  # the state of a preempted sequence (also in the RAM tier)
+    save_points: list[int] = field(default_factory=list)  # absolute prompt positions to snapshot at
+    hit: Hit | None = None
+    diverged_at: int | None = None
+    finish_reason: str | None = None
+    checkpoint: bool = False  # after finishing: feed the last token and save prompt + reply
+    t_arrival: float = field(default_factory=time.perf_counter)
+    t_first_token: float | None = None
+    restore_s: float = 0.0
+    prefill_s: float = 0.0  # this sequence's share of the steps that prefilled it
+    decode_s: float = 0.0
+    num_preemptions: int = 0
+
+    @property
+    def salt(self) -> str:
+        return self.request.cache_salt
+
+    @property
+    def position(self) -> int:
+        if self.state is not None:
+            return self.state.position
+        return self.parked.position if self.parked is not None else 0
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.num_prompt_tokens
+
+    @property
+    def prefilling(self) -> bool:
+        return self.position < self.num_prompt_tokens
+
+    @property
+    def restored(self) -> int:
+        return self.hit.snapshot.position if self.hit is not None else 0
+
+    def num_tokens_to_feed(self) -> int:
+        """Tokens this sequence still has to feed before it can sample (prefill rest, or
+        the last sampled token while decoding); 0 when its logits are ready to sample."""
+        return len(self.tokens) - self.position
+
+    def next_save_point(self) -> int | None:
+        p = self.position
+        return next((s for s in self.save_points if s > p), None)
+
+    def emit(self, ev: Event) -> None:
+        self.on_event(ev)

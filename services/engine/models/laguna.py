@@ -1,0 +1,495 @@
+"""Laguna family (`model_type` laguna), matching transformers' LagunaForCausalLM: sliding-window
+and full attention layers (`layer_types`, `sliding_window`) with per-layer query head counts
+(`num_attention_heads_per_layer`), q/k RMSNorm, partial RoPE per layer type, a softplus output
+gate per head or per element (`gating`), and dense or sparse MLPs (`mlp_layer_types`): a
+sigmoid top-k router with a selection bias (`e_score_correction_bias`), optional tanh
+softcapping, renormalized weights, `moe_routed_scaling_factor`, and a shared expert.
+
+State and snapshots: models/sliding.py (full layers every row, sliding layers min(p, W) rows).
+Every config.json field is implemented, known to be inert at inference, or refused by name.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from keepwarm.engine.loading.checkpoint import Checkpoint, CheckpointError
+from keepwarm.engine.models.rope import Rope, build_rope
+from keepwarm.engine.models.sliding import (
+    FULL,
+    SLIDING,
+    Batch,
+    KvLayout,
+    SlidingKvBackend,
+    check_layer_types,
+    refuse_unknown_fields,
+)
+from keepwarm.kernels.ops import Ops
+from keepwarm.kernels.sliding_attention import SlidingAttentionOps, sliding_attention_for
+
+DENSE, SPARSE = "dense", "sparse"
+
+# Fields with no effect on inference outputs (training, generation defaults, metadata).
+_INERT = {
+    "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "use_cache",
+    "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id", "output_router_logits",
+    "router_aux_loss_coef", "attention_dropout", "max_position_embeddings", "_name_or_path",
+    "auto_map", "tokenizer_class",
+}  # fmt: skip
+_IMPLEMENTED = {
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "hidden_act", "rms_norm_eps", "tie_word_embeddings", "rope_parameters",
+    "sliding_window", "layer_types", "head_dim", "attention_bias", "gating",
+    "num_attention_heads_per_layer", "mlp_layer_types", "moe_intermediate_size",
+    "shared_expert_intermediate_size", "num_experts_per_tok", "num_experts", "moe_routed_scaling_factor",
+    "moe_apply_router_weight_on_input", "moe_router_logit_softcapping",
+}  # fmt: skip
+# transformers' LagunaConfig defaults, used where config.json omits a field
+_DEFAULT_ROPE = {
+    FULL: {"rope_type": "default", "rope_theta": 500000.0, "partial_rotary_factor": 0.5},
+    SLIDING: {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0},
+}
+
+
+@dataclass(frozen=True)
+class LagunaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    layer_types: tuple[str, ...]
+    mlp_layer_types: tuple[str, ...]
+    heads_per_layer: tuple[int, ...]
+    num_kv_heads: int
+    head_dim: int
+    sliding_window: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    attention_bias: bool
+    gate_per_head: bool
+    rope_parameters: dict[str, dict[str, Any]]  # per layer type
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    routed_scaling: float
+    router_softcap: float
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @staticmethod
+    def from_dict(cfg: dict[str, Any]) -> LagunaConfig:
+        refuse_unknown_fields(cfg, _INERT | _IMPLEMENTED, "laguna")
+        try:
+            n = int(cfg["num_hidden_layers"])
+            heads = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            vocab = int(cfg["vocab_size"])
+        except KeyError as e:
+            raise CheckpointError(f"config.json: required field {e.args[0]!r} is missing") from e
+        window = cfg.get("sliding_window", 512)
+        layer_types = check_layer_types(cfg.get("layer_types") or [FULL] * n, n, window)
+        mlp_types = tuple(cfg.get("mlp_layer_types") or [DENSE] + [SPARSE] * (n - 1))
+        if len(mlp_types) != n or any(t not in (DENSE, SPARSE) for t in mlp_types):
+            raise CheckpointError(
+                f"config.json: mlp_layer_types must list {n} entries of {DENSE!r} or {SPARSE!r}, got {list(mlp_types)}"
+            )
+        per_layer = tuple(int(h) for h in (cfg.get("num_attention_heads_per_layer") or [heads] * n))
+        kv_heads = int(cfg.get("num_key_value_heads") or 8)
+        if len(per_layer) != n or any(h < 1 or h % kv_heads for h in per_layer):
+            raise CheckpointError(
+                f"config.json: num_attention_heads_per_layer must list {n} multiples of "
+                f"num_key_value_heads ({kv_heads}), got {list(per_layer)}"
+            )
+        gating = cfg.get("gating", True)
+        if gating not in (True, "per-head", "per-element"):
+            raise CheckpointError(
+                f"config.json: gating {gating!r} is not supported (use true, 'per-head' or 'per-element')"
+            )
+        if cfg.get("moe_apply_router_weight_on_input", False):
+            raise CheckpointError(
+                "config.json: moe_apply_router_weight_on_input true is not supported "
+                "(transformers has no reference for it either); set it to false"
+            )
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise CheckpointError(
+                f"config.json: hidden_act {cfg.get('hidden_act')!r} is not supported (silu only)"
+            )
+        rope = cfg.get("rope_parameters") or _DEFAULT_ROPE
+        if not isinstance(rope, dict) or any(not isinstance(rope.get(t), dict) for t in set(layer_types)):
+            raise CheckpointError(
+                "config.json: rope_parameters must map each layer type "
+                f"({sorted(set(layer_types))}) to its rope settings"
+            )
+        out = LagunaConfig(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=int(cfg.get("intermediate_size", 8192)),
+            layer_types=layer_types,
+            mlp_layer_types=mlp_types,
+            heads_per_layer=per_layer,
+            num_kv_heads=kv_heads,
+            head_dim=int(cfg.get("head_dim") or 128),
+            sliding_window=int(window) if SLIDING in layer_types else int(window or 1),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            gate_per_head=gating in (True, "per-head"),
+            rope_parameters={t: dict(rope[t]) for t in set(layer_types)},
+            num_experts=int(cfg.get("num_experts", 256)),
+            num_experts_per_tok=int(cfg.get("num_experts_per_tok", 8)),
+            moe_intermediate_size=int(cfg.get("moe_intermediate_size", 512)),
+            shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 512)),
+            routed_scaling=float(cfg.get("moe_routed_scaling_factor", 1.0)),
+            router_softcap=float(cfg.get("moe_router_logit_softcapping", 0.0)),
+        )
+        if SPARSE in mlp_types and not 0 < out.num_experts_per_tok <= out.num_experts:
+            raise CheckpointError("config.json: num_experts_per_tok must be in 1..num_experts")
+        return out
+
+
+@dataclass(frozen=True)
+class _Attention:
+    num_heads: int
+    w_qkvg: torch.Tensor  # [Hq D + 2 Hkv D + G, hidden]: q | k | v | gate (G = Hq or Hq D) fused
+    b_qkvg: torch.Tensor | None  # attention_bias: q, k, v biases, zeros for the gate
+    q_norm: torch.Tensor  # [D]
+    k_norm: torch.Tensor  # [D]
+    w_o: torch.Tensor  # [hidden, Hq D]
+    b_o: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class _Mlp:
+    w_gate_up: torch.Tensor  # [2 I, hidden]
+    w_down: torch.Tensor  # [hidden, I]
+
+
+@dataclass(frozen=True)
+class _Moe:
+    router: torch.Tensor  # [E, hidden]
+    select_bias: torch.Tensor  # [E] float32: added to the scores for selection only
+    gate_up: torch.Tensor  # [E, 2 I, hidden]
+    down: torch.Tensor  # [E, hidden, I]
+    shared: _Mlp
+
+
+@dataclass(frozen=True)
+class _Layer:
+    kind: str
+    input_norm: torch.Tensor
+    attn: _Attention
+    post_norm: torch.Tensor
+    mlp: _Mlp | _Moe
+
+
+class LagunaBackend(SlidingKvBackend):
+    family = "laguna"
+
+    def __init__(
+        self,
+        cfg: LagunaConfig,
+        ropes: dict[str, Rope],
+        embed: torch.Tensor,
+        lm_head: torch.Tensor,
+        final_norm: torch.Tensor,
+        layers: list[_Layer],
+        device: torch.device,
+        dtype: torch.dtype,
+        ops: Ops,
+        attention: SlidingAttentionOps,
+    ) -> None:
+        layout = KvLayout(cfg.layer_types, cfg.sliding_window, cfg.num_kv_heads, cfg.head_dim)
+        super().__init__(layout, cfg.vocab_size, device, dtype, attention)
+        self.cfg = cfg
+        self.ropes = ropes
+        self.embed = embed
+        self.lm_head = lm_head
+        self.final_norm = final_norm
+        self.layers = layers
+        self.ops = ops
+        self.scale = cfg.head_dim**-0.5
+
+    def _hidden(self, batch: Batch, tokens: torch.Tensor) -> torch.Tensor:
+        c, ops = self.cfg, self.ops
+        x = F.embedding(tokens, self.embed)  # [N, hidden]
+        n, d, hkv = x.shape[0], c.head_dim, c.num_kv_heads
+        cos_sin = {t: batch.cos_sin(r, self.dtype) for t, r in self.ropes.items()}
+        for i, layer in enumerate(self.layers):
+            a = layer.attn
+            h = ops.rms_norm(x, layer.input_norm, c.rms_norm_eps)
+            gate_dim = a.num_heads if c.gate_per_head else a.num_heads * d
+            q, k, v, g = ops.linear(h, a.w_qkvg, a.b_qkvg).split(
+                [a.num_heads * d, hkv * d, hkv * d, gate_dim], dim=-1
+            )
+            q = ops.rms_norm(q.reshape(n, a.num_heads, d), a.q_norm, c.rms_norm_eps)
+            k = ops.rms_norm(k.reshape(n, hkv, d), a.k_norm, c.rms_norm_eps)
+            cos, sin = cos_sin[layer.kind]
+            r = cos.shape[-1]  # partial RoPE: the first r dims of each head rotate
+            q = torch.cat([ops.rotary(q[..., :r], cos, sin), q[..., r:]], dim=-1)
+            k = torch.cat([ops.rotary(k[..., :r], cos, sin), k[..., r:]], dim=-1)
+            out = batch.attend(i, q, k, v.reshape(n, hkv, d).contiguous(), self.scale)  # [N, Hq, D]
+            gate = F.softplus(g.float()).to(out.dtype)
+            if c.gate_per_head:
+                out = out * gate.unsqueeze(-1)
+            else:
+                out = out.reshape(n, a.num_heads * d) * gate
+            x = x + ops.linear(out.reshape(n, a.num_heads * d), a.w_o, a.b_o)
+            h = ops.rms_norm(x, layer.post_norm, c.rms_norm_eps)
+            x = x + (self._mlp(layer.mlp, h) if isinstance(layer.mlp, _Mlp) else self._moe(layer.mlp, h))
+        return x
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.ops.linear(
+            self.ops.rms_norm(h, self.final_norm, self.cfg.rms_norm_eps), self.lm_head
+        ).float()
+
+    def _mlp(self, w: _Mlp, h: torch.Tensor) -> torch.Tensor:
+        gate, up = self.ops.linear(h, w.w_gate_up).chunk(2, dim=-1)
+        return self.ops.linear(F.silu(gate) * up, w.w_down)
+
+    def _moe(self, w: _Moe, h: torch.Tensor) -> torch.Tensor:
+        """h [N, hidden] (every token of every sequence) -> [N, hidden], as LagunaSparseMoeBlock."""
+        c = self.cfg
+        logits = F.linear(h, w.router).float()  # [N, E]
+        if c.router_softcap > 0.0:
+            logits = torch.tanh(logits / c.router_softcap) * c.router_softcap
+        scores = torch.sigmoid(logits)
+        _, top_i = torch.topk(scores + w.select_bias, c.num_experts_per_tok, dim=-1)  # [N, k]
+        top_w = scores.gather(-1, top_i)
+        top_w = (top_w / top_w.sum(dim=-1, keepdim=True)).to(h.dtype)
+        routed = torch.zeros_like(h)
+        for e in top_i.unique().tolist():  # only the experts some token routed to, ascending
+            tok, slot = torch.where(top_i == e)
+            gate, up = F.linear(h[tok], w.gate_up[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, w.down[e]) * top_w[tok, slot, None]
+            routed.index_add_(0, tok, y.to(routed.dtype))
+        return routed * c.routed_scaling + self._mlp(w.shared, h)
+
+
+def build(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, ops: Ops) -> LagunaBackend:
+    cfg = LagunaConfig.from_dict(ckpt.config)
+    hid, d, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_kv_heads
+
+    def w(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return ckpt.load(name, dtype, device, shape=shape)
+
+    def first(names: list[str]) -> str:
+        for n in names:
+            if ckpt.has(n):
+                return n
+        return names[0]  # missing: the load names it
+
+    layers: list[_Layer] = []
+    for i, kind in enumerate(cfg.layer_types):
+        p = f"model.layers.{i}."
+        sa = p + "self_attn."
+        hq = cfg.heads_per_layer[i]
+        gate_dim = hq if cfg.gate_per_head else hq * d
+        w_qkvg = torch.cat(
+            [
+                w(sa + "q_proj.weight", (hq * d, hid)),
+                w(sa + "k_proj.weight", (hkv * d, hid)),
+                w(sa + "v_proj.weight", (hkv * d, hid)),
+                w(sa + "g_proj.weight", (gate_dim, hid)),
+            ]
+        )
+        b_qkvg = b_o = None
+        if cfg.attention_bias:
+            b_qkvg = torch.cat(
+                [
+                    w(sa + "q_proj.bias", (hq * d,)),
+                    w(sa + "k_proj.bias", (hkv * d,)),
+                    w(sa + "v_proj.bias", (hkv * d,)),
+                    torch.zeros(gate_dim, dtype=dtype, device=device),
+                ]
+            )
+            b_o = w(sa + "o_proj.bias", (hid,))
+        attn = _Attention(
+            num_heads=hq,
+            w_qkvg=w_qkvg,
+            b_qkvg=b_qkvg,
+            q_norm=w(sa + "q_norm.weight", (d,)),
+            k_norm=w(sa + "k_norm.weight", (d,)),
+            w_o=w(sa + "o_proj.weight", (hid, hq * d)),
+            b_o=b_o,
+        )
+        mp = p + "mlp."
+        mlp: _Mlp | _Moe
+        if cfg.mlp_layer_types[i] == DENSE:
+            mlp = _dense(w, mp, hid, cfg.intermediate_size)
+        else:
+            e_n, e_i = cfg.num_experts, cfg.moe_intermediate_size
+            if ckpt.has(mp + "experts.gate_up_proj"):  # fused layout (transformers' runtime form)
+                gate_up = w(mp + "experts.gate_up_proj", (e_n, 2 * e_i, hid))
+                down = w(mp + "experts.down_proj", (e_n, hid, e_i))
+            else:  # per-expert layout (save_pretrained's form)
+                ex = [f"{mp}experts.{e}." for e in range(e_n)]
+                gate_up = torch.stack(
+                    [
+                        torch.cat(
+                            [w(x + "gate_proj.weight", (e_i, hid)), w(x + "up_proj.weight", (e_i, hid))]
+                        )
+                        for x in ex
+                    ]
+                )
+                down = torch.stack([w(x + "down_proj.weight", (hid, e_i)) for x in ex])
+            # save_pretrained's names first, then the module names transformers runs with
+            bias = first([mp + "experts.e_score_correction_bias", mp + "gate.e_score_correction_bias"])
+            shared = first([mp + "shared_expert.gate_proj.weight", mp + "shared_experts.gate_proj.weight"])
+            mlp = _Moe(
+                router=w(mp + "gate.weight", (e_n, hid)),
+                select_bias=w(bias, (e_n,)).float(),  # runtime dtype, then float32 (as transformers)
+                gate_up=gate_up,
+                down=down,
+                shared=_dense(
+                    w, shared.removesuffix("gate_proj.weight"), hid, cfg.shared_expert_intermediate_size
+                ),
+            )
+        layers.append(
+            _Layer(
+                kind=kind,
+                input_norm=w(p + "input_layernorm.weight", (hid,)),
+                attn=attn,
+                post_norm=w(p + "post_attention_layernorm.weight", (hid,)),
+                mlp=mlp,
+            )
+        )
+    embed = w("model.embed_tokens.weight", (cfg.vocab_size, hid))
+    if ckpt.has("lm_head.weight"):
+        lm_head = w("lm_head.weight", (cfg.vocab_size, hid))
+    elif cfg.tie_word_embeddings:
+        lm_head = embed
+    else:
+        raise CheckpointError(f"{ckpt.path}: lm_head.weight is missing and tie_word_embeddings is false")
+    ropes = {}
+    for kind, params in cfg.rope_parameters.items():
+        ropes[kind] = build_rope({**ckpt.config, "rope_parameters": params}, d, device)
+        if ropes[kind].rotary_dim > d:
+            raise CheckpointError(
+                f"config.json: {kind} rotary dim {ropes[kind].rotary_dim} exceeds head_dim {d}"
+            )
+    return LagunaBackend(
+        cfg,
+        ropes,
+        embed,
+        lm_head,
+        w("model.norm.weight", (hid,)),
+        layers,
+        device,
+        dtype,
+        ops,
+        sliding_attention_for(device),  # the one place the attention implementation is chosen
+    )
+
+
+def _dense(w: Callable[[str, tuple[int, ...]], torch.Tensor], p: str, hid: int, inter: int) -> _Mlp:
+    gate_up = torch.cat([w(p + "gate_proj.weight", (inter, hid)), w(p + "up_proj.weight", (inter, hid))])
+    return _Mlp(w_gate_up=gate_up, w_down=w(p + "down_proj.weight", (hid, inter)))
+
+
+# -- demo models ----------------------------------------------------------------
+def demo_config(size: str) -> dict[str, Any]:
+    """A full config.json for a random-weight demo (transformers can load the folder):
+    3 sliding (window 128) : 1 full attention, per-layer head counts, a dense first MLP then
+    MoE with a shared expert. "small" for the stack and benches, "tiny" for tests."""
+    if size == "small":
+        dims = dict(
+            vocab_size=16384, hidden_size=768, intermediate_size=2048, num_hidden_layers=8,
+            num_attention_heads=12, num_key_value_heads=4, head_dim=64, num_experts=8,
+            num_experts_per_tok=2, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+        )  # fmt: skip
+    elif size == "tiny":
+        dims = dict(
+            vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        )  # fmt: skip
+    else:
+        raise ValueError(f"demo size {size!r} is unknown (use 'small' or 'tiny')")
+    n = int(dims["num_hidden_layers"])
+    heads = int(dims["num_attention_heads"])
+    kv = int(dims["num_key_value_heads"])
+    return {
+        "architectures": ["LagunaForCausalLM"],
+        "model_type": "laguna",
+        **dims,
+        "layer_types": [FULL if (i + 1) % 4 == 0 else SLIDING for i in range(n)],
+        "sliding_window": 128 if size == "small" else 16,
+        "num_attention_heads_per_layer": [heads if i % 2 == 0 else heads - kv for i in range(n)],
+        "mlp_layer_types": [DENSE] + [SPARSE] * (n - 1),
+        "gating": True,
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "max_position_embeddings": 32768,
+        "initializer_range": 0.02,
+        "rms_norm_eps": 1e-6,
+        "use_cache": True,
+        "tie_word_embeddings": False,
+        "rope_parameters": {t: dict(p) for t, p in _DEFAULT_ROPE.items()},
+        "moe_routed_scaling_factor": 1.0,
+        "moe_apply_router_weight_on_input": False,
+        "moe_router_logit_softcapping": 0.0,
+        "attention_dropout": 0.0,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+        "dtype": "bfloat16",
+    }
+
+
+def init_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """Deterministic bf16 weights under save_pretrained's names for `config`: projections
+    N(0, initializer_range), residual-output projections scaled by 1/sqrt(2 * layers), norms 1,
+    zero selection bias."""
+    cfg = LagunaConfig.from_dict(config)
+    gen = torch.Generator().manual_seed(seed)
+    std = float(config.get("initializer_range", 0.02))
+    out_std = std / math.sqrt(2 * cfg.num_layers)
+    hid, d, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_kv_heads
+
+    def normal(shape: tuple[int, ...], s: float) -> torch.Tensor:
+        return (torch.randn(shape, generator=gen) * s).to(torch.bfloat16)
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=torch.bfloat16)
+
+    def mlp(p: str, inter: int) -> None:
+        wts[p + "gate_proj.weight"] = normal((inter, hid), std)
+        wts[p + "up_proj.weight"] = normal((inter, hid), std)
+        wts[p + "down_proj.weight"] = normal((hid, inter), out_std)
+
+    wts: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal((cfg.vocab_size, hid), std)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        sa = p + "self_attn."
+        hq = cfg.heads_per_layer[i]
+        wts[sa + "q_proj.weight"] = normal((hq * d, hid), std)
+        wts[sa + "k_proj.weight"] = normal((hkv * d, hid), std)
+        wts[sa + "v_proj.weight"] = normal((hkv * d, hid), std)
+        wts[sa + "g_proj.weight"] = normal((hq if cfg.gate_per_head else hq * d, hid), std)
+        wts[sa + "o_proj.weight"] = normal((hid, hq * d), out_std)
+        wts[sa + "q_norm.weight"] = ones(d)
+        wts[sa + "k_norm.weight"] = ones(d)
+        wts[p + "input_layernorm.weight"] = ones(hid)
+        wts[p + "post_attention_layernorm.weight"] = ones(hid)
+        mp = p + "mlp."
+        if cfg.mlp_layer_types[i] == DENSE:
+            mlp(mp, cfg.intermediate_size)
+        else:
+            wts[mp + "gate.weight"] = normal((cfg.num_experts, hid), std)
+            wts[mp + "experts.e_score_correction_bias"] = torch.zeros(cfg.num_experts, dtype=torch.bfloat16)
+            for e in range(cfg.num_experts):
+                mlp(f"{mp}experts.{e}.", cfg.moe_intermediate_size)
+            mlp(mp + "shared_expert.", cfg.shared_expert_intermediate_size)
+    wts["model.norm.weight"] = ones(hid)
+    if not cfg.tie_word_embeddings:
+        wts["lm_head.weight"] = normal((cfg.vocab_size, hid), std)
+    return wts

@@ -1,0 +1,323 @@
+"""State, snapshots and attention for families whose layers are full or sliding-window
+attention (laguna, gpt_oss): the shared half of those backends. A family subclasses
+`SlidingKvBackend` and writes only its per-token math (`_hidden`: embeddings to final
+hidden states), calling `Batch.attend` for each attention layer.
+
+State, by canonical name (DESIGN.md §2.1, §2.2):
+  full layer i:    `layers.{i}.k` / `.v`  [capacity, Hkv, D]  row a = position a
+  sliding layer i: `layers.{i}.k` / `.v`  [R, Hkv, D], R = min(W, capacity): a ring, position
+                   a at row a % R; only the last W positions are ever read
+  `sidecar.logits` [vocab] float32
+Snapshot at position p: full layers rows 0..p-1; sliding layers exactly min(p, W) rows,
+positions p - min(p, W) .. p-1 in position order, so the file does not depend on the ring's
+rotation. Adopt puts each row back at row a % R, which makes the adopted ring identical to
+the live one it was taken from (and so the continuation bit-identical).
+
+Invariant: K/V rows are written in place, and a full layer's rows below `position` are never
+rewritten; an exported view of a sliding ring (taken before it wrapped) stays valid because
+the first write that would wrap over it replaces the ring by a copy first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from keepwarm.engine.cache.snapshot import LOGITS, Geometry, Snapshot, SnapshotMismatch, TensorSpec
+from keepwarm.engine.loading.checkpoint import CheckpointError
+from keepwarm.engine.models.backend import State
+from keepwarm.engine.models.rope import Rope
+from keepwarm.kernels.sliding_attention import SlidingAttentionOps
+
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+_RING_VIEWS = "ring_views"  # State.extra flag: export handed out views of unwrapped rings
+
+
+@dataclass(frozen=True)
+class WindowRows:
+    """Rows a sliding layer's snapshot holds at a position: min(position, window)."""
+
+    window: int
+
+    def __call__(self, position: int) -> int:
+        return min(position, self.window)
+
+
+def all_rows(position: int) -> int:
+    return position
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    """Which layers are sliding, the window, and the K/V row shape (shared by all layers)."""
+
+    layer_types: tuple[str, ...]
+    window: int
+    num_kv_heads: int
+    head_dim: int
+
+    def ring_size(self, capacity: int) -> int:
+        return min(self.window, capacity)
+
+    def geometry(self, dtype: torch.dtype, vocab_size: int) -> Geometry:
+        specs: list[TensorSpec] = []
+        row = (-1, self.num_kv_heads, self.head_dim)
+        for i, kind in enumerate(self.layer_types):
+            rows = WindowRows(self.window) if kind == SLIDING else all_rows
+            for part in ("k", "v"):
+                specs.append(TensorSpec(f"layers.{i}.{part}", dtype, row, length_dim=0, rows=rows))
+        specs.append(TensorSpec(LOGITS, torch.float32, (vocab_size,)))
+        return Geometry(tuple(specs))
+
+
+def check_layer_types(layer_types: Sequence[str], num_layers: int, window: object) -> tuple[str, ...]:
+    """Validated `layer_types` (config.json) with the sliding window they need."""
+    out = tuple(str(t) for t in layer_types)
+    if len(out) != num_layers:
+        raise CheckpointError(
+            f"config.json: layer_types has {len(out)} entries, num_hidden_layers is {num_layers}"
+        )
+    bad = sorted({t for t in out if t not in (FULL, SLIDING)})
+    if bad:
+        raise CheckpointError(f"config.json: layer_types {bad} unknown (use {FULL!r} or {SLIDING!r})")
+    if SLIDING in out and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise CheckpointError(
+            f"config.json: sliding_window must be a positive integer for sliding_attention layers, got {window!r}"
+        )
+    return out
+
+
+def refuse_unknown_fields(cfg: dict[str, object], known: set[str], family: str) -> None:
+    """Every config.json field must be one the family implements or knows to be inert."""
+    unknown = sorted(k for k in cfg if k not in known)
+    if unknown:
+        raise CheckpointError(
+            f"config.json: field(s) {unknown} are not supported by the {family} family "
+            "(remove them, or use a checkpoint without them)"
+        )
+
+
+class Batch:
+    """One forward over several sequences: their tokens are concatenated along dim 0
+    (`offsets[b]` .. `offsets[b + 1]` are sequence b's), each starting at its state's position."""
+
+    def __init__(self, backend: SlidingKvBackend, states: Sequence[State], chunks: Sequence[torch.Tensor]):
+        self.backend = backend
+        self.states = list(states)
+        self.starts = [s.position for s in states]
+        self.lengths = [int(c.shape[0]) for c in chunks]
+        self.offsets = [0]
+        for n in self.lengths:
+            self.offsets.append(self.offsets[-1] + n)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.offsets[-1]
+
+    def last_rows(self) -> torch.Tensor:
+        """Index [B] of each sequence's last token in the concatenation."""
+        return torch.tensor([o - 1 for o in self.offsets[1:]], device=self.backend.device)
+
+    def cos_sin(self, rope: Rope, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [N, Dr] at every token's absolute position."""
+        parts = [rope.cos_sin(s, n, dtype) for s, n in zip(self.starts, self.lengths, strict=True)]
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts])
+
+    def attend(
+        self,
+        i: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Layer i's attention for every token: q [N, Hq, D], this step's k, v [N, Hkv, D]
+        (written into each sequence's cache) -> [N, Hq, D]. Per sequence; decode (one token)
+        reads the cache in place, a chunk attends [earlier rows it can see | its own rows]."""
+        b = self.backend
+        window = b.layout.window if b.layout.layer_types[i] == SLIDING else None
+        attn = b.attention
+        outs = []
+        for st, start, n, o in zip(self.states, self.starts, self.lengths, self.offsets, strict=False):
+            qs, ks, vs = q[o : o + n], k[o : o + n], v[o : o + n]
+            k_buf, v_buf = st.tensors[f"layers.{i}.k"], st.tensors[f"layers.{i}.v"]
+            end = start + n
+            if window is None:
+                k_buf[start:end] = ks
+                v_buf[start:end] = vs
+                if n == 1:
+                    outs.append(attn.decode(qs[0], k_buf, v_buf, scale, start, None, sinks).unsqueeze(0))
+                else:
+                    outs.append(attn.prefill(qs, k_buf[:end], v_buf[:end], scale, None, sinks))
+                continue
+            r = k_buf.shape[0]
+            if n == 1:
+                k_buf[start % r] = ks[0]
+                v_buf[start % r] = vs[0]
+                outs.append(attn.decode(qs[0], k_buf, v_buf, scale, start, window, sinks).unsqueeze(0))
+                continue
+            prev = min(start, window - 1)  # earlier rows the chunk's first query can see
+            if prev:
+                idx = torch.arange(start - prev, start, device=k_buf.device) % r
+                kc = torch.cat([k_buf.index_select(0, idx), ks])
+                vc = torch.cat([v_buf.index_select(0, idx), vs])
+            else:
+                kc, vc = ks, vs
+            outs.append(attn.prefill(qs, kc, vc, scale, window, sinks))
+            keep = min(n, r)  # only the last R rows of the chunk survive in the ring
+            slots = torch.arange(end - keep, end, device=k_buf.device) % r
+            k_buf.index_copy_(0, slots, ks[n - keep :])
+            v_buf.index_copy_(0, slots, vs[n - keep :])
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+class SlidingKvBackend:
+    """The Backend contract (models/backend.py) for full + sliding attention families, minus
+    the family's math (`_hidden`, `_logits`)."""
+
+    family: str
+
+    def __init__(
+        self,
+        layout: KvLayout,
+        vocab_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        attention: SlidingAttentionOps,
+    ) -> None:
+        self.layout = layout
+        self.vocab_size = vocab_size
+        self.device = device
+        self.dtype = dtype
+        self.attention = attention
+        self.geometry = layout.geometry(dtype, vocab_size)
+
+    # -- the family's part ---------------------------------------------------------
+    def _hidden(self, batch: Batch, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [N] int64 -> final hidden states [N, hidden] (before the final norm)."""
+        raise NotImplementedError
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """final hidden states [M, hidden] -> logits [M, vocab] float32."""
+        raise NotImplementedError
+
+    # -- state ---------------------------------------------------------------------
+    def new_state(self, capacity: int) -> State:
+        if capacity < 1:
+            raise ValueError(f"state capacity must be >= 1 token, got {capacity}")
+        lay = self.layout
+        ring = lay.ring_size(capacity)
+        tensors = {}
+        for i, kind in enumerate(lay.layer_types):
+            rows = ring if kind == SLIDING else capacity
+            for part in ("k", "v"):
+                tensors[f"layers.{i}.{part}"] = torch.empty(
+                    (rows, lay.num_kv_heads, lay.head_dim), dtype=self.dtype, device=self.device
+                )
+        return State(capacity=capacity, tensors=tensors)
+
+    def export(self, state: State) -> Snapshot:
+        assert state.logits is not None, "export needs at least one token of state"
+        p = state.position
+        lay = self.layout
+        out: dict[str, torch.Tensor] = {}
+        for i, kind in enumerate(lay.layer_types):
+            for part in ("k", "v"):
+                name = f"layers.{i}.{part}"
+                t = state.tensors[name]
+                if kind == FULL or p <= t.shape[0]:
+                    out[name] = t[:p]  # in position order already: a view
+                else:  # a wrapped ring: its last min(p, W) positions, rotated into order (a copy)
+                    r = t.shape[0]
+                    out[name] = torch.cat([t[p % r :], t[: p % r]])
+        if SLIDING in lay.layer_types and p <= lay.ring_size(state.capacity):
+            state.extra[_RING_VIEWS] = True
+        out[LOGITS] = state.logits
+        return Snapshot(p, out)
+
+    def adopt(self, snapshot: Snapshot, capacity: int, into: State | None = None) -> State:
+        p = snapshot.position
+        if p < 1:
+            raise SnapshotMismatch(f"snapshot position {p} is invalid (a snapshot covers at least one token)")
+        if p > capacity:
+            raise SnapshotMismatch(
+                f"snapshot covers {p} tokens, capacity is {capacity}: allocate a larger state"
+            )
+        self.geometry.validate(snapshot.tensors, p)  # every name, dtype and row count before any write
+        reuse = into is not None and into.capacity == capacity and into.tensors.keys() == self.new_keys()
+        state = into if reuse and into is not None else self.new_state(capacity)
+        state.extra.clear()
+        for i, kind in enumerate(self.layout.layer_types):
+            for part in ("k", "v"):
+                name = f"layers.{i}.{part}"
+                src, buf = snapshot.tensors[name], state.tensors[name]
+                if kind == FULL or p <= buf.shape[0]:
+                    buf[:p].copy_(src)
+                else:
+                    r = buf.shape[0]
+                    slots = torch.arange(p - src.shape[0], p, device=buf.device) % r
+                    buf.index_copy_(0, slots, src.to(buf.device))
+        state.position = p
+        state.logits = snapshot.tensors[LOGITS].to(self.device, torch.float32, copy=True)
+        return state
+
+    def new_keys(self) -> set[str]:
+        return {s.name for s in self.geometry.specs if s.name != LOGITS}
+
+    # -- compute ---------------------------------------------------------------------
+    def prefill(self, state: State, tokens: torch.Tensor) -> torch.Tensor:
+        return self.forward(state, tokens)[-1]
+
+    def decode(self, state: State, token: int) -> torch.Tensor:
+        return self.forward(state, torch.tensor([token], dtype=torch.int64, device=self.device))[-1]
+
+    def step(self, states: Sequence[State], chunks: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Batched forward (backend.py): projections and MoE over all sum(n_i) tokens at once,
+        attention per sequence. Logits [B, vocab] float32 after each chunk's last token."""
+        return self._run(states, chunks, all_logits=False)
+
+    def forward(self, state: State, tokens: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+        """Advance `state` by `tokens` [T]; logits [1 or T, vocab] float32."""
+        return self._run([state], [tokens], all_logits)
+
+    @torch.inference_mode()
+    def _run(self, states: Sequence[State], chunks: Sequence[torch.Tensor], all_logits: bool) -> torch.Tensor:
+        if not states or len(states) != len(chunks):
+            raise ValueError(
+                f"step needs one chunk per state, got {len(states)} states and {len(chunks)} chunks"
+            )
+        if len({id(s) for s in states}) != len(states):
+            raise ValueError("step: a state appears twice; each sequence advances once per step")
+        for st, c in zip(states, chunks, strict=True):
+            if c.dim() != 1 or c.shape[0] == 0:
+                raise ValueError(f"tokens must be a non-empty 1-D tensor, got shape {tuple(c.shape)}")
+            end = st.position + int(c.shape[0])
+            if end > st.capacity:
+                raise ValueError(
+                    f"state capacity {st.capacity} is too small for {end} tokens: allocate a larger state"
+                )
+            if st.extra.get(_RING_VIEWS) and end > self.layout.ring_size(st.capacity):
+                # this step wraps rings that an exported snapshot still views: copy-on-write
+                for i, kind in enumerate(self.layout.layer_types):
+                    if kind == SLIDING:
+                        for part in ("k", "v"):
+                            name = f"layers.{i}.{part}"
+                            st.tensors[name] = st.tensors[name].clone()
+                del st.extra[_RING_VIEWS]
+        batch = Batch(self, states, chunks)
+        tokens = (
+            torch.cat([c.to(self.device) for c in chunks]) if len(chunks) > 1 else chunks[0].to(self.device)
+        )
+        h = self._hidden(batch, tokens)
+        logits = self._logits(h if all_logits else h[batch.last_rows()])
+        for b, st in enumerate(states):
+            st.position = batch.starts[b] + batch.lengths[b]
+            last = batch.offsets[b + 1] - 1 if all_logits else b
+            st.logits = logits[last].clone()
+        return logits

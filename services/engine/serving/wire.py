@@ -1,0 +1,459 @@
+"""The engine's OpenAI wire format as typed msgspec Structs: request bodies
+(chat completions, completions, tokenize, detokenize) and response bodies.
+
+Decoding a body with `decode(raw, Type)` validates it in one pass; a failure
+raises `WireError` whose `param` is the field's path (`messages[0].role`) and
+whose message says what to send instead. Unknown fields are refused, never
+ignored: fields the OpenAI API defines that keepwarm does not implement get a
+message saying so (`UNSUPPORTED`), anything else is an unknown field.
+
+Fields that are typed and validated here but whose effect lives in the sampler
+(penalties, logit_bias, logprobs, n > 1, constrained decoding) are refused by the
+request parser (openai_format) until the sampler implements them.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal, TypeVar
+
+import msgspec
+from msgspec import UNSET, Meta, Struct, UnsetType
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+# OpenAI request fields keepwarm does not implement: a 400 says so instead of "unknown field".
+UNSUPPORTED = {
+    "audio": "audio output is not supported",
+    "modalities": "only text output is supported",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+    "functions": "the deprecated 'functions' field is not supported; send 'tools'",
+    "function_call": "the deprecated 'function_call' field is not supported; send 'tool_choice'",
+    "store": "stored completions are not supported",
+    "metadata": "metadata is only stored with 'store', which is not supported",
+    "service_tier": "service tiers are not supported",
+    "reasoning_effort": "reasoning_effort is not supported; send chat_template_kwargs (e.g. enable_thinking)",
+    "verbosity": "verbosity is not supported",
+    "prompt_cache_key": "prompt_cache_key is not supported; the prefix cache keys on the prompt itself",
+    "safety_identifier": "safety_identifier is not supported",
+    "best_of": "best_of is not supported",
+    "echo": "echo is not supported",
+    "suffix": "suffix (insertion) is not supported",
+}
+
+# Allowed values of enum-like fields, by path with list indices written [*] (for error messages).
+_CHOICES = {
+    "messages[*].role": ROLES,
+    "tool_choice": ("none", "auto", "required", "{type: function, function: {name}}"),
+    "response_format.type": ("text", "json_object", "json_schema"),
+    "messages[*].content[*].type": ("text",),
+}
+
+Name = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+Int64 = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
+TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+NonNegInt = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+
+
+class WireError(ValueError):
+    """A body that does not fit its wire model; `param` is the offending field's path."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.param = param
+        self.status = status
+
+
+# --- chat completions request --------------------------------------------------------------
+
+
+class TextPart(Struct, tag_field="type", tag="text", forbid_unknown_fields=True):
+    text: str
+
+
+class ImagePart(Struct, tag_field="type", tag="image_url"):
+    image_url: Any = None
+
+
+class AudioPart(Struct, tag_field="type", tag="input_audio"):
+    input_audio: Any = None
+
+
+class FilePart(Struct, tag_field="type", tag="file"):
+    file: Any = None
+
+
+class RefusalPart(Struct, tag_field="type", tag="refusal"):
+    refusal: str = ""
+
+
+ContentPart = TextPart | ImagePart | AudioPart | FilePart | RefusalPart
+
+
+class FunctionCall(Struct, forbid_unknown_fields=True):
+    name: str
+    # OpenAI sends a JSON string; templates also take an object (transformers passes either through).
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(Struct, forbid_unknown_fields=True):
+    function: FunctionCall
+    id: str | None = None
+    type: Literal["function"] = "function"
+
+
+class ChatMessage(Struct, forbid_unknown_fields=True):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None  # DeepSeek / llama.cpp name
+    reasoning: str | None = None  # vLLM's newer name
+    refusal: str | None = None
+    # Response-only fields an SDK echoes back when a reply is appended to the history.
+    annotations: list[Any] | None = None
+    audio: None = None
+    function_call: None = None
+
+
+class FunctionDef(Struct, forbid_unknown_fields=True):
+    name: Name
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Struct, forbid_unknown_fields=True):
+    function: FunctionDef
+    type: Literal["function"] = "function"
+
+
+class NamedFunction(Struct, forbid_unknown_fields=True):
+    name: Name
+
+
+class NamedToolChoice(Struct, forbid_unknown_fields=True):
+    function: NamedFunction
+    type: Literal["function"] = "function"
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class JsonSchemaSpec(Struct, forbid_unknown_fields=True):
+    name: Name
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class TextFormat(Struct, tag_field="type", tag="text", forbid_unknown_fields=True):
+    pass
+
+
+class JsonObjectFormat(Struct, tag_field="type", tag="json_object", forbid_unknown_fields=True):
+    pass
+
+
+class JsonSchemaFormat(Struct, tag_field="type", tag="json_schema", forbid_unknown_fields=True):
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaFormat
+
+
+class StreamOptions(Struct, forbid_unknown_fields=True):
+    include_usage: bool = False
+
+
+class PrefixCacheOptions(Struct, forbid_unknown_fields=True):
+    """keepwarm extension: the prefix-cache policy for this request (DESIGN.md §2.4)."""
+
+    scope: str | int | None = None
+    window: int | None = None
+
+
+class SessionHintBody(Struct, forbid_unknown_fields=True):
+    """keepwarm extension, set by the gateway only: the session's last prefix key."""
+
+    key: str
+    tokens: NonNegInt
+
+
+Stop = str | Annotated[list[str], Meta(max_length=16)] | None
+
+
+class SamplingFields(Struct, kw_only=True, forbid_unknown_fields=True):
+    """Fields chat completions and completions share."""
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    temperature: Annotated[float, Meta(ge=0)] | None = None
+    top_p: float | None = None
+    top_k: Annotated[int, Meta(ge=0)] | None = None  # extension
+    n: Annotated[int, Meta(ge=1, le=128)] | None = None
+    seed: Int64 | None = None
+    stop: Stop = None
+    stop_token_ids: list[TokenId] | None = None  # extension (vLLM)
+    ignore_eos: bool = False  # extension
+    presence_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0, le=10)] | None = None  # extension (vLLM)
+    logit_bias: dict[str, Annotated[float, Meta(ge=-100, le=100)]] | None = None
+    user: str | None = None
+    # keepwarm extensions (DESIGN.md §3); cache_salt and session_hint are honoured from the gateway only
+    prefix_cache: PrefixCacheOptions | None = None
+    cache_salt: str | None = None
+    session_hint: SessionHintBody | None = None
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    tools: Annotated[list[Tool], Meta(max_length=128)] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extension (vLLM / llama.cpp)
+
+
+class CompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True):
+    """Legacy completions: a raw prompt, text or token ids, no chat template."""
+
+    prompt: str | Annotated[list[TokenId], Meta(min_length=1)]
+    logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
+
+
+# --- tokenize / detokenize ------------------------------------------------------------------
+
+
+class TokenizeRequest(Struct, kw_only=True, forbid_unknown_fields=True):
+    """Either `prompt` (raw text) or `messages` (rendered by the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
+    tools: Annotated[list[Tool], Meta(max_length=128)] | None = None
+    add_special_tokens: bool | None = None  # prompt: default true; messages: the template adds them
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeResponse(Struct):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeRequest(Struct, kw_only=True, forbid_unknown_fields=True):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(Struct):
+    prompt: str
+
+
+# --- responses ------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(Struct):
+    cached_tokens: int
+
+
+class Usage(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+    timings: dict[str, Any]  # keepwarm: cache source, restore / prefill / decode times
+
+
+class KeepwarmInfo(Struct):
+    """Engine-internal: the gateway reads and strips it."""
+
+    prefix_key: str | None
+    prefix_tokens: int
+    namespace: str
+
+
+class ToolCallFunction(Struct):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(Struct):
+    id: str
+    function: ToolCallFunction
+    type: str = "function"
+
+
+class AssistantMessage(Struct, omit_defaults=True):
+    content: str | None
+    role: str = "assistant"
+    reasoning_content: str | UnsetType = UNSET
+    tool_calls: list[ToolCallOut] | UnsetType = UNSET
+
+
+class Choice(Struct):
+    index: int
+    message: AssistantMessage
+    finish_reason: str
+    logprobs: None = None
+
+
+class ChatCompletion(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
+    keepwarm: KeepwarmInfo
+    object: str = "chat.completion"
+
+
+class ToolCallFunctionDelta(Struct, omit_defaults=True):
+    name: str | UnsetType = UNSET
+    arguments: str | UnsetType = UNSET
+
+
+class ToolCallDelta(Struct, omit_defaults=True):
+    index: int
+    id: str | UnsetType = UNSET
+    type: str | UnsetType = UNSET
+    function: ToolCallFunctionDelta | UnsetType = UNSET
+
+
+class Delta(Struct, omit_defaults=True):
+    role: str | UnsetType = UNSET
+    content: str | UnsetType = UNSET
+    reasoning_content: str | UnsetType = UNSET
+    tool_calls: list[ToolCallDelta] | UnsetType = UNSET
+
+
+class ChunkChoice(Struct):
+    index: int
+    delta: Delta
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(Struct, omit_defaults=True):
+    id: str
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    object: str = "chat.completion.chunk"
+    usage: Usage | None | UnsetType = None  # null on every chunk but the include_usage one (as OpenAI)
+    keepwarm: KeepwarmInfo | UnsetType = UNSET
+
+
+class CompletionChoice(Struct):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class Completion(Struct, omit_defaults=True):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    object: str = "text_completion"
+    usage: Usage | None | UnsetType = UNSET
+    keepwarm: KeepwarmInfo | UnsetType = UNSET
+
+
+# --- decoding -------------------------------------------------------------------------------
+
+T = TypeVar("T")
+_DECODERS: dict[type, msgspec.json.Decoder[Any]] = {}
+_AT = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+_UNKNOWN = re.compile(r"Object contains unknown field `(?P<name>[^`]+)`")
+_EXPECTED = re.compile(r"Expected `(?P<want>[^`]+)`, got `(?P<got>[^`]+)`")
+_KINDS = {
+    "int": "an integer",
+    "float": "a number",
+    "number": "a number",
+    "str": "a string",
+    "bool": "true or false",
+    "array": "a list",
+    "object": "an object",
+    "null": "null",
+}
+
+
+def _param(path: str) -> str:
+    return path.lstrip(".")
+
+
+def _describe_kinds(want: str) -> str:
+    return " or ".join(_KINDS.get(k.strip(), k.strip()) for k in want.split("|"))
+
+
+def decode(raw: bytes, kind: type[T]) -> T:
+    """The body as a `kind`; raises WireError naming the field on any mismatch."""
+    dec = _DECODERS.get(kind)
+    if dec is None:
+        dec = _DECODERS[kind] = msgspec.json.Decoder(kind)
+    try:
+        return dec.decode(raw)  # type: ignore[no-any-return]
+    except msgspec.ValidationError as e:
+        raise _wire_error(str(e)) from None
+    except msgspec.DecodeError as e:
+        raise WireError(f"the request body is not valid JSON ({e})") from None
+
+
+def _wire_error(text: str) -> WireError:
+    m = _AT.match(text)
+    assert m is not None  # the pattern matches any string
+    msg, path = m.group("msg"), _param(m.group("path") or "")
+    unknown = _UNKNOWN.search(msg)
+    if unknown:
+        name = unknown.group("name")
+        field = f"{path}.{name}" if path else name
+        why = UNSUPPORTED.get(name) if not path else None
+        if why:
+            return WireError(f"{field}: {why}; remove it", param=field)
+        return WireError(f"unknown field {field!r}: keepwarm does not accept it; remove it", param=field)
+    if msg.startswith("Object missing required field"):
+        name = msg.rsplit("`", 2)[-2] if "`" in msg else ""
+        field = f"{path}.{name}" if path and name else (name or path)
+        return WireError(f"{field} is required", param=field or None)
+    where = path or "the request body"
+    generic = re.sub(r"\[\d+\]", "[*]", path)
+    expected = _EXPECTED.search(msg)
+    if expected:
+        if not path:
+            return WireError("the request body must be a JSON object", param=None)
+        got = expected.group("got")
+        return WireError(
+            f"{where} must be {_describe_kinds(expected.group('want'))}, got {_KINDS.get(got, got)}",
+            param=path,
+        )
+    if msg.startswith("Invalid enum value") or msg.startswith("Invalid value"):
+        value = msg.split(" ", 3)[-1]
+        allowed = _CHOICES.get(generic) or _CHOICES.get(re.sub(r"\.type$", "", generic))
+        tail = f"; one of {', '.join(allowed)}" if allowed else ""
+        if generic.endswith(".type") and generic[:-5] in _CHOICES:
+            path = path[:-5]
+        return WireError(f"{where}: {value} is not accepted{tail}", param=path or None)
+    if msg.startswith("Expected"):
+        # range / length constraints: "Expected `int` >= 1", "Expected `array` of length >= 1", ...
+        words = msg.replace("Expected ", "", 1)
+        words = re.sub(r"`(\w+)`", lambda k: _KINDS.get(k.group(1), k.group(1)), words)
+        words = words.replace("a list of length >= 1", "a non-empty list")
+        return WireError(f"{where} must be {words}", param=path or None)
+    return WireError(f"{where}: {msg}", param=path or None)
+
+
+def encode(obj: Any) -> bytes:
+    return msgspec.json.encode(obj)
