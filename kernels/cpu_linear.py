@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_linear.cpp"
 EXTENSION_NAME = "keepwarm_cpu_linear"
-MAX_TOKENS = 4  # the kernel is instantiated for M = 1..4 token rows (kMaxTokens in C++)
+MAX_TOKENS = 16  # token rows per call (kMaxTokens in C++): decode steps of up to 16 sequences
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 # Explicit ISA flags rather than -march=native: a cached build must not use instructions the
 # runtime check did not verify.

@@ -2,6 +2,7 @@
 
   ops/bench engine [--model DIR] [--json PATH]   prefill/decode vs transformers, memory roofline
   ops/bench cache  [--model DIR] [--json PATH]   cold vs warm TTFT (RAM, disk), restore bandwidth
+  ops/bench serve  [--model DIR] [--json PATH]   concurrent streams: decode scaling, multi-user chat TTFT
 
 Speed lives here, never in tests.
 """
@@ -46,34 +47,37 @@ def _prompt_tokens(vocab: int, n: int) -> list[int]:
 def bench_engine(
     model: Path, dtype: torch.dtype, prefill_tokens: int, decode_tokens: int, chunk: int
 ) -> dict[str, Any]:
-    from keepwarm.engine.generation.runner import Runner
     from keepwarm.engine.loading.checkpoint import open_checkpoint
     from keepwarm.engine.models import build_backend
     from keepwarm.kernels.ops import ops_for
 
     dev = torch.device("cpu")
     backend = build_backend(open_checkpoint(model), dev, dtype, ops_for(dev))
-    runner = Runner(backend, chunk)
     toks = _prompt_tokens(backend.vocab_size, prefill_tokens)
 
-    runner.prefill(backend.new_state(prefill_tokens + 8), toks[:128])  # warm-up
+    def prefill(state: Any, tokens: list[int]) -> torch.Tensor:
+        logits = None
+        for i in range(0, len(tokens), chunk):
+            logits = backend.prefill(state, torch.tensor(tokens[i : i + chunk]))
+        assert logits is not None
+        return logits
+
+    prefill(backend.new_state(prefill_tokens + 8), toks[:128])  # warm-up
     pre = []
     for _ in range(2):
         st = backend.new_state(prefill_tokens + 8)
         t0 = time.perf_counter()
-        runner.prefill(st, toks)
+        prefill(st, toks)
         pre.append(time.perf_counter() - t0)
     prefill_s = min(pre)
 
     st = backend.new_state(256 + decode_tokens + 8)
-    logits = runner.prefill(st, toks[:256])
-    assert logits is not None
-    tok = int(torch.argmax(logits))
+    tok = int(torch.argmax(prefill(st, toks[:256])))
     for _ in range(4):  # warm-up
-        tok = int(torch.argmax(runner.decode(st, tok)))
+        tok = int(torch.argmax(backend.decode(st, tok)))
     t0 = time.perf_counter()
     for _ in range(decode_tokens):
-        tok = int(torch.argmax(runner.decode(st, tok)))
+        tok = int(torch.argmax(backend.decode(st, tok)))
     decode_s = (time.perf_counter() - t0) / decode_tokens
 
     weights = {id(t): t for t in _tensors(backend)}
@@ -242,9 +246,135 @@ def bench_cache(model: Path, dtype: str, prompt_tokens: int, threads: int) -> di
     }
 
 
+def _percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))]
+
+
+def _serve_engine(model: Path, dtype: str, threads: int, cache_dir: Path | None, max_seqs: int) -> Any:
+    from keepwarm.engine.config import EngineConfig
+    from keepwarm.engine.engine import Engine
+
+    cfg = EngineConfig(
+        model=model,
+        dtype=dtype,
+        num_threads=threads,
+        cache_dir=cache_dir,
+        max_context=4096,
+        min_tokens=16,
+        max_seqs=max_seqs,
+        queue_size=64,
+        fsync=False,
+    ).validate()
+    return Engine(cfg)
+
+
+def _decode_tok_s(engine: Any, streams: int, prompt_tokens: int, reply_tokens: int) -> float:
+    """Aggregate decode tokens/s of `streams` sequences decoding together: from the step
+    where every stream has its first token to the end."""
+    from keepwarm.engine.cache.policy import parse_policy
+    from keepwarm.engine.generation.request import GenerateRequest
+    from keepwarm.engine.generation.sampling import SamplingParams
+    from keepwarm.engine.generation.sequence import Status
+
+    seqs = []
+    for i in range(streams):
+        toks = _prompt_tokens(engine.backend.vocab_size, prompt_tokens + i)[i:]
+        req = GenerateRequest(
+            sampling=SamplingParams(max_tokens=reply_tokens, ignore_eos=True),
+            prompt_tokens=tuple(toks),
+            policy=parse_policy("off"),
+        )
+        seqs.append(engine.submit(req, lambda ev: None))
+    while any(s.num_generated == 0 for s in seqs):
+        engine.step()
+    start = sum(s.num_generated for s in seqs)
+    t0 = time.perf_counter()
+    while any(s.status is not Status.FINISHED for s in seqs):
+        engine.step()
+    return (sum(s.num_generated for s in seqs) - start) / (time.perf_counter() - t0)
+
+
+def _chat_ttfts(
+    engine: Any, users: int, rounds: int, system: str, policy: str, reply_tokens: int
+) -> list[float]:
+    """`users` conversations at once over a shared system prompt; each user sends its next
+    turn as soon as its reply ends. TTFTs (s) of every turn after the first."""
+    from keepwarm.engine.cache.policy import parse_policy
+    from keepwarm.engine.generation.request import FinishEvent, GenerateRequest
+    from keepwarm.engine.generation.sampling import SamplingParams
+
+    questions = [
+        "What is the first thing you notice in these notes?",
+        "Say more about that, please.",
+        "And what happened next?",
+        "Sum it up in a sentence.",
+        "One more detail?",
+    ]
+    history = [[{"role": "system", "content": system}] for _ in range(users)]
+    finished: list[tuple[int, FinishEvent]] = []
+    turn = [0] * users
+
+    def send(u: int) -> None:
+        history[u].append({"role": "user", "content": f"(user {u}) {questions[turn[u] % len(questions)]}"})
+        req = GenerateRequest(
+            sampling=SamplingParams(max_tokens=reply_tokens, ignore_eos=True),
+            messages=tuple(history[u]),
+            policy=parse_policy(policy),
+            cache_salt="bench",
+        )
+        engine.submit(req, lambda ev: finished.append((u, ev)) if isinstance(ev, FinishEvent) else None)
+
+    for u in range(users):
+        send(u)
+    ttfts = []
+    while engine.has_work():
+        engine.step()
+        while finished:
+            u, ev = finished.pop(0)
+            if turn[u] > 0:
+                ttfts.append(ev.timings.ttft_ms / 1000)
+            history[u].append({"role": "assistant", "content": ev.text})
+            turn[u] += 1
+            if turn[u] < rounds:
+                send(u)
+    return ttfts
+
+
+def bench_serve(
+    model: Path, dtype: str, threads: int, reply_tokens: int, system_tokens: int
+) -> dict[str, Any]:
+    out: dict[str, Any] = {"model": str(model), "dtype": dtype, "threads": threads}
+    engine = _serve_engine(model, dtype, threads, None, max_seqs=8)
+    try:
+        _decode_tok_s(engine, 1, 32, 4)  # warm-up
+        for n in (1, 4, 8):
+            out[f"decode_tok_s_{n}"] = _decode_tok_s(engine, n, 256, reply_tokens)
+        out["decode_scaling_8"] = out["decode_tok_s_8"] / out["decode_tok_s_1"]
+        system = _long_messages(engine, system_tokens)[0]["content"]
+    finally:
+        engine.close()
+    for policy in ("full", "off"):
+        for users in (1, 8) if policy == "full" else (8,):
+            with tempfile.TemporaryDirectory(prefix="keepwarm-bench-") as tmp:
+                engine = _serve_engine(model, dtype, threads, Path(tmp), max_seqs=8)
+                try:
+                    ttfts = _chat_ttfts(engine, users, 4, system, policy, 32)
+                finally:
+                    engine.close()
+            suffix = "_1user" if users == 1 else ""
+            out[f"ttft_p50_{policy}{suffix}"] = _percentile(ttfts, 0.5)
+            if users == 8:
+                out[f"ttft_p90_{policy}"] = _percentile(ttfts, 0.9)
+    out["ttft_off_over_full_p50"] = out["ttft_p50_off"] / out["ttft_p50_full"]
+    out["ttft_p90_full_8_over_p50_full_1"] = out["ttft_p90_full"] / out["ttft_p50_full_1user"]
+    out["load_average"] = os.getloadavg()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["engine", "cache"])
+    p.add_argument("what", choices=["engine", "cache", "serve"])
     p.add_argument("--model", type=Path, required=True)
     p.add_argument("--json", type=Path, default=None, help="write the result here too")
     p.add_argument("--dtype", default="bfloat16")
@@ -252,14 +382,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=2048)
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--chunk", type=int, default=2048)
+    p.add_argument(
+        "--reply-tokens", type=int, default=128, help="serve: tokens per reply in the decode figures"
+    )
+    p.add_argument("--system-tokens", type=int, default=1000, help="serve: the shared system prompt")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     from keepwarm.engine.config import DTYPES
 
     if a.what == "engine":
         result = bench_engine(a.model, DTYPES[a.dtype], a.prompt_tokens, a.decode_tokens, a.chunk)
-    else:
+    elif a.what == "cache":
         result = bench_cache(a.model, a.dtype, a.prompt_tokens, a.threads)
+    else:
+        result = bench_serve(a.model, a.dtype, a.threads, a.reply_tokens, a.system_tokens)
     text = json.dumps(result, indent=2)
     print(text)
     if a.json is not None:

@@ -131,7 +131,7 @@ ensure_base_images() {
   # image builds verify what the host verifies.
   if ls /usr/local/share/ca-certificates/*.crt >/dev/null 2>&1; then
     cp /usr/local/share/ca-certificates/*.crt "$root/usr/local/share/ca-certificates/"
-    chroot "$root" update-ca-certificates >/dev/null
+    chroot "$root" update-ca-certificates >/dev/null 2>&1
   fi
   chroot "$root" apt-get clean
   rm -rf "$root"/var/lib/apt/lists/* "$root.log"

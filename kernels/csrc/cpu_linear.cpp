@@ -6,7 +6,7 @@
 //   - `_mm512_dpbf16_ps` multiplies 32 bf16 pairs of x and w and accumulates into 16 fp32
 //     lanes (products of bf16 are exact in fp32; accumulation is fp32 throughout);
 //   - one weight row at a time (a single sequential stream the hardware prefetcher follows),
-//     M (<= 4) token rows share each weight load, several accumulators hide dpbf16 latency;
+//     up to 4 token rows share each weight load (more rows: further passes over the row in L1), several accumulators hide dpbf16 latency;
 //   - K that is not a multiple of 32 ends with one masked load (zeros past the end);
 //   - output rows are split into contiguous ranges, one per thread (at::parallel_for, torch's
 //     OpenMP pool and thread count), so each thread streams one contiguous slab of memory;
@@ -81,38 +81,47 @@ inline void dot_row(const uint16_t* __restrict x, const uint16_t* __restrict w, 
   }
 }
 
-template <int M, typename Out>
-void gemv_range(const uint16_t* x, const uint16_t* w, Bias bias, Out* y, int64_t N, int64_t K, int64_t n_begin,
-                int64_t n_end) {
-  float sums[M];
-  for (int64_t n = n_begin; n < n_end; ++n) {
-    dot_row<M>(x, w + n * K, K, sums);
-    const float b = bias.at(n);
-    for (int m = 0; m < M; ++m) y[m * N + n] = static_cast<Out>(sums[m] + b);
+// Dot products of one weight row with all M token rows, in groups of up to kGroup rows per
+// pass (kUnroll * kGroup accumulators fit the 32 zmm registers); the row is re-read from L1
+// for each further group. Every token row's sum is computed by the same instruction
+// sequence whatever M and whichever group it falls in, so a row's result does not depend
+// on how many rows are in the batch.
+constexpr int kGroup = 4;
+
+inline void dot_rows(const uint16_t* __restrict x, const uint16_t* __restrict w, int64_t M, int64_t K,
+                     float* sums) {
+  int64_t m = 0;
+  for (; m + kGroup <= M; m += kGroup) dot_row<kGroup>(x + m * K, w, K, sums + m);
+  switch (M - m) {
+    case 0: return;
+    case 1: return dot_row<1>(x + m * K, w, K, sums + m);
+    case 2: return dot_row<2>(x + m * K, w, K, sums + m);
+    case 3: return dot_row<3>(x + m * K, w, K, sums + m);
   }
 }
 
-template <int M, typename Out>
-void gemv(const uint16_t* x, const uint16_t* w, Bias bias, Out* y, int64_t N, int64_t K) {
+template <typename Out>
+void gemv_range(const uint16_t* x, const uint16_t* w, Bias bias, Out* y, int64_t M, int64_t N, int64_t K,
+                int64_t n_begin, int64_t n_end) {
+  float sums[16];
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    dot_rows(x, w + n * K, M, K, sums);
+    const float b = bias.at(n);
+    for (int64_t m = 0; m < M; ++m) y[m * N + n] = static_cast<Out>(sums[m] + b);
+  }
+}
+
+constexpr int64_t kMaxTokens = 16;  // token rows per call (decode steps of up to 16 sequences)
+
+template <typename Out>
+void dispatch_m(int64_t M, const uint16_t* x, const uint16_t* w, Bias bias, Out* y, int64_t N, int64_t K) {
+  TORCH_CHECK(M >= 1 && M <= kMaxTokens, "cpu_linear: tokens (M) must be 1..", kMaxTokens, ", got ", M);
   // Each thread gets one contiguous run of rows, so it streams one contiguous slab of the
   // weight. The grain keeps at least ~256 KiB of weight per thread: smaller matrices are not
   // worth the fork/join.
   const int64_t grain = std::max<int64_t>(1, (256 * 1024) / (K * 2));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { gemv_range<M, Out>(x, w, bias, y, N, K, n0, n1); });
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { gemv_range<Out>(x, w, bias, y, M, N, K, n0, n1); });
 }
-
-template <typename Out>
-void dispatch_m(int64_t M, const uint16_t* x, const uint16_t* w, Bias bias, Out* y, int64_t N, int64_t K) {
-  switch (M) {
-    case 1: return gemv<1, Out>(x, w, bias, y, N, K);
-    case 2: return gemv<2, Out>(x, w, bias, y, N, K);
-    case 3: return gemv<3, Out>(x, w, bias, y, N, K);
-    case 4: return gemv<4, Out>(x, w, bias, y, N, K);
-    default: TORCH_CHECK(false, "cpu_linear: tokens (M) must be 1..4, got ", M);
-  }
-}
-
-constexpr int64_t kMaxTokens = 4;  // dispatch_m instantiates M = 1..kMaxTokens
 
 // Whether linear(x, weight, bias) can run here; false means "use torch". The rules (the
 // Python side documents them): bf16 CPU x [..., K] with 1..kMaxTokens rows once leading

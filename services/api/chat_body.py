@@ -25,7 +25,7 @@ from keepwarm.api.errors import ApiError
 
 MAX_JSON_DEPTH = 64  # a chat body needs ~6 levels; tool schemas a few more
 _I32 = 2**31 - 1
-_I64_MIN, _U64_MAX = -(2**63), 2**64 - 1
+_I64_MIN, _I64_MAX, _U64_MAX = -(2**63), 2**63 - 1, 2**64 - 1
 _LONG_DIGITS = re.compile(rb"[0-9]{20}")
 
 
@@ -66,7 +66,7 @@ FIELD_RANGES: dict[str, Range] = {
     "temperature": Range(0, 100, integer=False),
     "top_p": Range(0, 1, integer=False, low_open=True),
     "top_k": Range(0, _I32, integer=True),
-    "seed": Range(_I64_MIN, _U64_MAX, integer=True),
+    "seed": Range(_I64_MIN, _I64_MAX, integer=True),
     "n": Range(1, 128, integer=True),
     "presence_penalty": Range(-2, 2, integer=False),
     "frequency_penalty": Range(-2, 2, integer=False),

@@ -14,6 +14,8 @@ Environment (a flag overrides its variable):
   KEEPWARM_SESSION_TTL      seconds a session is remembered         (--session-ttl)
   KEEPWARM_HEALTH_INTERVAL  seconds between engine health polls     (--health-interval)
   KEEPWARM_HEALTH_TIMEOUT   seconds one engine health probe may take  (--health-timeout)
+  KEEPWARM_READ_TIMEOUT     seconds an engine may stay silent before the request
+                            moves to another engine (streams get keep-alives)   (--read-timeout)
   KEEPWARM_ADMIN_TENANTS    tenants allowed to DELETE /v1/cache and list every tenant's
                             cache entries; empty (the default) = no tenant   (--admin-tenants)
   KEEPWARM_ENGINE_TOKEN / KEEPWARM_ENGINE_TOKEN_FILE
@@ -87,7 +89,13 @@ class GatewayConfig:
             raise ConfigError("--rate-limit must be >= 0 and --rate-window > 0")
         if self.max_body_bytes <= 0 or self.session_ttl_s <= 0 or self.health_interval_s <= 0:
             raise ConfigError("--max-body-bytes, --session-ttl and --health-interval must be positive")
-        for name in ("health_timeout_s", "redis_timeout_s", "redis_cooldown_s", "max_messages"):
+        for name in (
+            "health_timeout_s",
+            "read_timeout_s",
+            "redis_timeout_s",
+            "redis_cooldown_s",
+            "max_messages",
+        ):
             if getattr(self, name) <= 0:
                 flag = name.removesuffix("_s").replace("_", "-")
                 raise ConfigError(f"--{flag} (KEEPWARM_{flag.replace('-', '_').upper()}) must be positive")
@@ -145,6 +153,7 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--session-ttl", default=None, type=int)
     p.add_argument("--health-interval", default=None, type=float)
     p.add_argument("--health-timeout", default=None, type=float)
+    p.add_argument("--read-timeout", default=None, type=float)
     p.add_argument(
         "--admin-tenants", default=None, help="'tenantA,tenantB': who may DELETE /v1/cache (default: nobody)"
     )
@@ -206,6 +215,7 @@ def config_from(args: argparse.Namespace, env: Mapping[str, str] | None = None) 
         session_ttl_s=int(number(args.session_ttl, "KEEPWARM_SESSION_TTL", 7 * 24 * 3600, int)),
         health_interval_s=number(args.health_interval, "KEEPWARM_HEALTH_INTERVAL", 2.0, float),
         health_timeout_s=number(args.health_timeout, "KEEPWARM_HEALTH_TIMEOUT", 2.0, float),
+        read_timeout_s=number(args.read_timeout, "KEEPWARM_READ_TIMEOUT", 600.0, float),
         admin_tenants=tuple(
             t.strip()
             for t in (pick(args.admin_tenants, "KEEPWARM_ADMIN_TENANTS") or "").split(",")

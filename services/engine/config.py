@@ -58,7 +58,7 @@ class EngineConfig:
     chunk_size: int = 2048  # prefill chunk (tokens per forward)
     cache_dir: Path | None = None  # None disables the disk tier
     disk_budget: int = 16 * 1024**3
-    min_free_disk: int = 1024**3
+    min_free_disk: int | None = None  # None ("auto"): 5% of the cache volume, at most 1 GiB
     memory_budget: int = 2 * 1024**3
     min_tokens: int = 64  # never cache a prefix shorter than this
     disk_prefix_cache: str = "full"
@@ -132,6 +132,8 @@ _SIZES = {"disk_budget", "min_free_disk", "memory_budget", "kv_budget"}
 
 def _convert(name: str, raw: str) -> object:
     field_type = {f.name: f.type for f in fields(EngineConfig)}[name]
+    if name == "min_free_disk" and raw.strip().lower() in ("", "auto"):
+        return None
     if name in _SIZES:
         return parse_size(raw)
     if name in ("model",):

@@ -18,6 +18,7 @@ from array import array
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from dataclasses import replace as replace_seq
 from itertools import count
 
 import torch
@@ -30,9 +31,16 @@ from keepwarm.engine.cache.prefix_cache import PrefixCache, diverged_at
 from keepwarm.engine.cache.snapshot import Snapshot
 from keepwarm.engine.cache.snapshot_file import FORMAT_VERSION
 from keepwarm.engine.config import EngineConfig
+from keepwarm.engine.generation.grammar import (
+    GrammarError,
+    GrammarTokenizer,
+    TokenMatcher,
+    apply_token_bitmask_,
+    matcher_for,
+)
 from keepwarm.engine.generation.request import FinishEvent, GenerateRequest, RequestError, Timings, TokenEvent
 from keepwarm.engine.generation.runner import Runner, StepOutput
-from keepwarm.engine.generation.sampling import Sampler
+from keepwarm.engine.generation.sampling import LogitsRules, Sampler
 from keepwarm.engine.generation.scheduler import Scheduled, Scheduler
 from keepwarm.engine.generation.sequence import Event, Sequence, Status
 from keepwarm.engine.generation.state_memory import StateMemory
@@ -41,6 +49,7 @@ from keepwarm.engine.loading.chat_template import ChatTemplate
 from keepwarm.engine.loading.checkpoint import open_checkpoint
 from keepwarm.engine.loading.tokenizer import Tokenizer
 from keepwarm.engine.models import build_backend
+from keepwarm.engine.serving.tool_calls import detect_format
 from keepwarm.kernels.ops import ops_for
 
 MAX_AUTO_WINDOW = 256  # `auto:W` compares with at most this many recent prompts
@@ -127,6 +136,8 @@ class Engine:
         self.waiting_lock = threading.Lock()
         self.lock = threading.Lock()  # one step at a time (loop thread, or a caller's generate())
         self.ids = count()
+        self.grammar_tokenizer: GrammarTokenizer | None = None  # built on the first constrained request
+        self.tool_format = detect_format(self.template.source)
         # optional backend capability: read disk hits straight into a state's buffers
         self.restore_target = getattr(self.backend, "restore_target", None)
 
@@ -197,13 +208,10 @@ class Engine:
         Raises QueueFull when `queue_size` sequences are already waiting."""
         prompt = prompt or self.prepare(req)
         params = req.sampling
-        with self.waiting_lock:
-            if self.num_waiting >= self.cfg.queue_size:
-                raise QueueFull
-            self.num_waiting += 1
         stop_ids = set(params.stop_token_ids) | (
             set() if params.ignore_eos else set(self.tokenizer.eos_token_ids)
         )
+        matcher = self._matcher(req)
         seq = Sequence(
             seq_id=next(self.ids),
             request=req,
@@ -211,14 +219,34 @@ class Engine:
             num_prompt_tokens=len(prompt.tokens),
             boundaries=list(prompt.boundaries),
             policy=req.policy or self.default_policy,
-            sampler=Sampler(params),
+            sampler=Sampler(params, _rules(req)),
             stopper=StopChecker(self.tokenizer.stream_decoder(), params.stop, stop_ids),
             max_new_tokens=min(params.max_tokens, self.cfg.max_context - len(prompt.tokens)),
             on_event=on_event,
             should_stop=should_stop,
+            matcher=matcher,
         )
+        seq.group.append(seq)
+        with self.waiting_lock:
+            if self.num_waiting >= self.cfg.queue_size:
+                raise QueueFull
+            self.num_waiting += 1
         self.inbox.put(seq)
         return seq
+
+    def _matcher(self, req: GenerateRequest, choice: int = 0) -> TokenMatcher | None:
+        """The grammar matcher of a constrained request (compiled per choice); a
+        constraint the model's tool-call format cannot express is a 400."""
+        if req.constraint is None:
+            return None
+        if self.grammar_tokenizer is None:
+            self.grammar_tokenizer = GrammarTokenizer.from_tokenizer(self.tokenizer, self.backend.vocab_size)
+        try:
+            return matcher_for(
+                req.constraint, self.grammar_tokenizer, self.tool_format, req.parallel_tool_calls
+            )
+        except GrammarError as e:
+            raise RequestError(str(e), param=e.param) from e
 
     # -- the loop body ------------------------------------------------------------
     def has_work(self) -> bool:
@@ -266,6 +294,7 @@ class Engine:
                 return False
             seq.state = state
             self._restore(seq)
+            seq.queued = False
             self._count_waiting(-1)
             self.stats.requests += 1
             self.stats.prompt_tokens += seq.num_prompt_tokens
@@ -360,7 +389,7 @@ class Engine:
                     continue
             elif b.num_tokens:
                 seq.decode_s += share
-            if seq.num_generated == 0:
+            if seq.num_generated == 0 and seq.choice == 0:
                 self._prefilled(seq)
             self._sample(seq, out.logits[seq.seq_id])
             if seq.finish_reason is not None:
@@ -375,19 +404,57 @@ class Engine:
             self.runner.clock.record(seq.num_prompt_tokens, seq.prefill_s)
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> None:
-        tok = seq.sampler(logits)
+        if seq.num_generated == 0 and seq.request.n > 1 and seq.choice == 0:
+            self._fork(seq)
+        m = seq.matcher
+        allowed = None
+        if m is not None:
+            mask = m.allowed_tokens()
+            allowed = lambda x: apply_token_bitmask_(x, mask)  # noqa: E731
+        n = seq.num_prompt_tokens
+        pick = seq.sampler(logits, seq.tokens[:n], seq.tokens[n:], allowed)
+        tok = pick.token
+        if m is not None:
+            m.advance(tok)
         seq.tokens.append(tok)
         if seq.t_first_token is None:
             seq.t_first_token = time.perf_counter()
         text, stopped = seq.stopper.push(tok)
-        if not stopped:
-            seq.emit(TokenEvent(tok, text))
-        elif text:
-            seq.emit(TokenEvent(tok, text))
-        if stopped:
+        if not stopped or text or pick.logprob is not None:
+            seq.emit(TokenEvent(tok, text, seq.choice, pick.logprob, pick.top_logprobs))
+        if stopped or (m is not None and m.is_done() and tok in self.tokenizer.eos_token_ids):
             self._finish(seq, "stop")
         elif seq.num_generated >= seq.max_new_tokens:
             self._finish(seq, "length")
+
+    def _fork(self, parent: Sequence) -> None:
+        """n > 1: the other choices start from the parent's prefilled state (one prefill),
+        parked like preempted sequences, so each is admitted when memory has room."""
+        assert parent.state is not None
+        snap = self.backend.export(parent.state).detached()
+        req, params = parent.request, parent.request.sampling
+        for choice in range(1, req.n):
+            child = replace_seq(
+                parent,
+                seq_id=next(self.ids),
+                tokens=list(parent.tokens),
+                sampler=Sampler(params, _rules(req), choice),
+                stopper=StopChecker(
+                    self.tokenizer.stream_decoder(), params.stop, parent.stopper.stop_token_ids
+                ),
+                status=Status.WAITING,
+                state=None,
+                parked=snap,
+                save_points=[],
+                queued=False,
+                choice=choice,
+                group=parent.group,
+                matcher=self._matcher(req, choice),
+                t_first_token=None,
+                checkpoint=False,
+            )
+            parent.group.append(child)
+            self.scheduler.requeue(child)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         """Send the reply's end; free the state unless a continued checkpoint follows
@@ -395,10 +462,11 @@ class Engine:
         seq.finish_reason = reason
         rest = seq.stopper.finish(flush=reason == "length")
         if rest:
-            seq.emit(TokenEvent(seq.tokens[-1] if seq.num_generated else -1, rest))
+            seq.emit(TokenEvent(seq.tokens[-1] if seq.num_generated else -1, rest, seq.choice))
         self.stats.completion_tokens += seq.num_generated
         seq.checkpoint = (
-            seq.policy.mode == "full"
+            seq.choice == 0
+            and seq.policy.mode == "full"
             and reason != "cancelled"
             and seq.num_generated > 0
             and seq.state is not None
@@ -443,12 +511,13 @@ class Engine:
                 self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
-        if seq.status is Status.WAITING and not seq.num_preemptions:
+        if seq.queued:
+            seq.queued = False
             self._count_waiting(-1)  # never admitted
         self.scheduler.remove(seq)
         if seq.state is not None:
             self.memory.free(seq.state)
-        if seq.hit is not None:
+        if seq.hit is not None and seq.choice == 0:
             self.cache.promote(seq.hit)  # off the TTFT path; the hit's rows were never rewritten
         seq.state, seq.parked = None, None
         seq.status = Status.FINISHED
@@ -457,7 +526,7 @@ class Engine:
         hit = seq.hit
         restored = seq.restored
         saved_s = 0.0
-        if hit is not None:
+        if hit is not None and seq.choice == 0:  # the request's restore, counted once
             tier = hit.source
             self.stats.hits_by_tier[tier] += 1
             self.stats.hit_tokens_by_tier[tier] += restored
@@ -493,6 +562,7 @@ class Engine:
             timings,
             key,
             len(seq.tokens) if key else 0,
+            seq.choice,
         )
 
     def save_points(self, policy: Policy, salt: str, prompt: Prompt, restored: int) -> list[int]:
@@ -527,7 +597,7 @@ class Engine:
         (after the continued checkpoint)."""
         events: deque[Event] = deque()
         seq = self.submit(req, events.append, should_stop, prompt)
-        while seq.status is not Status.FINISHED:
+        while any(s.status is not Status.FINISHED for s in seq.group) or len(seq.group) < req.n:
             self.step()
             while events:
                 yield events.popleft()
@@ -546,3 +616,14 @@ class Engine:
     def flush(self) -> None:
         if self.cache.disk is not None:
             self.cache.disk.flush()
+
+
+def _rules(req: GenerateRequest) -> LogitsRules:
+    return LogitsRules(
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty,
+        logit_bias=req.logit_bias,
+        logprobs=req.logprobs,
+        top_logprobs=req.top_logprobs,
+    )

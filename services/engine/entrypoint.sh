@@ -1,5 +1,5 @@
 #!/bin/sh
-# The engine image's entrypoint: the zero-config first start, then the command (`serve`).
+# The engine image's entrypoint: the zero-config first start (model, token), then the command (`serve`).
 #
 # KEEPWARM_MODEL unset (or empty, as compose.yaml passes it when the host has none): serve the demo
 # model at /models/demo-dense, making it there first when the folder is missing (the `models`
@@ -15,5 +15,17 @@ if [ -z "${KEEPWARM_MODEL:-}" ]; then
     python -m keepwarm.engine.demo.demo_model --family dense "$KEEPWARM_MODEL" >&2
     echo "keepwarm: made the demo model in $KEEPWARM_MODEL" >&2
   fi
+fi
+# The bearer token the gateway must send: KEEPWARM_ENGINE_TOKEN when set, else one made once into
+# KEEPWARM_ENGINE_TOKEN_FILE (compose.yaml: the volume `engine-token`, which the gateway reads).
+if [ -z "${KEEPWARM_ENGINE_TOKEN:-}" ] && [ -n "${KEEPWARM_ENGINE_TOKEN_FILE:-}" ]; then
+  if [ ! -s "$KEEPWARM_ENGINE_TOKEN_FILE" ]; then
+    python -c 'import secrets; print(secrets.token_hex(32))' > "$KEEPWARM_ENGINE_TOKEN_FILE.tmp"
+    chmod 0644 "$KEEPWARM_ENGINE_TOKEN_FILE.tmp" # the gateway reads it as another user
+    mv "$KEEPWARM_ENGINE_TOKEN_FILE.tmp" "$KEEPWARM_ENGINE_TOKEN_FILE"
+    echo "keepwarm: made the engine token in $KEEPWARM_ENGINE_TOKEN_FILE" >&2
+  fi
+  KEEPWARM_ENGINE_TOKEN="$(cat "$KEEPWARM_ENGINE_TOKEN_FILE")"
+  export KEEPWARM_ENGINE_TOKEN
 fi
 exec "$@"

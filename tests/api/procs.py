@@ -263,3 +263,52 @@ def wait_snapshot_file(cache_dir: Path, key: str, timeout: float = 30.0) -> Path
             return found[0]
         time.sleep(0.05)
     raise AssertionError(f"no snapshot file for key {key} under {cache_dir} after {timeout}s")
+
+
+@dataclass
+class GatewayStack:
+    """Valkey, engines (with ENGINE_TOKEN) and one gateway in front of them."""
+
+    valkey: Proc
+    engines: list[Proc]
+    gateway: Proc
+
+    def stop(self) -> None:
+        for p in (self.gateway, *reversed(self.engines), self.valkey):
+            p.resume()  # a paused process cannot handle SIGTERM
+            p.stop()
+
+
+def start_stack(
+    root: Path,
+    model: Path,
+    *,
+    engines: int = 1,
+    engine_env: Mapping[str, str] | None = None,
+    gateway_extra: Sequence[str] = (),
+    gateway_env: Mapping[str, str] | None = None,
+    persist_valkey: bool = False,
+) -> GatewayStack:
+    """A whole stack under `root` (logs in root/logs, caches in root/cache-N); every
+    engine answers only the gateway's token. Stops what it started if a part fails."""
+    logs = root / "logs"
+    started: list[Proc] = []
+    try:
+        valkey = start_valkey(root / "valkey", persist=persist_valkey)
+        started.append(valkey)
+        procs = []
+        for i in range(engines):
+            procs.append(start_engine(model, root / f"cache-{i}", logs, env=engine_env, token=ENGINE_TOKEN))
+            started.append(procs[-1])
+        gw = start_gateway([p.url for p in procs], valkey.url, logs, env=gateway_env, extra=gateway_extra,
+                           engine_token=ENGINE_TOKEN)  # fmt: skip
+    except BaseException:
+        for p in reversed(started):
+            p.stop()
+        raise
+    return GatewayStack(valkey=valkey, engines=procs, gateway=gw)
+
+
+def shared_demo_model(base: Path) -> Path:
+    """The tiny demo model at one place per test session (`base` = the session's basetemp)."""
+    return make_demo_model(base / "shared-demo-model" / "tiny")

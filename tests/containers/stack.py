@@ -26,6 +26,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 CPU = ("compose.yaml", "compose.cpu.yaml")
 ROCM = ("compose.yaml",)
+TIMINGS: dict[str, float] = {}  # seconds by step; conftest reports them
 
 
 def compose_v2() -> tuple[str, ...]:
@@ -57,9 +58,13 @@ class Compose:
 
     def run(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess[str]:
         cmd = [*compose_v2(), "-p", self.project, *(a for f in self.files for a in ("-f", f)), *args]
-        out = subprocess.run(cmd, cwd=ROOT, env=dict(self.env), capture_output=True, text=True, timeout=timeout)
+        out = subprocess.run(
+            cmd, cwd=ROOT, env=dict(self.env), capture_output=True, text=True, timeout=timeout
+        )
         if check and out.returncode != 0:
-            raise AssertionError(f"{' '.join(cmd[-len(args) - 1 :])} failed ({out.returncode}):\n{out.stderr[-4000:]}")
+            raise AssertionError(
+                f"{' '.join(cmd[-len(args) - 1 :])} failed ({out.returncode}):\n{out.stderr[-4000:]}"
+            )
         return out
 
     def containers(self) -> list[dict[str, Any]]:
@@ -77,7 +82,8 @@ class Compose:
         while True:
             rows = {r["Service"]: r for r in self.containers()}
             if all(
-                rows.get(s, {}).get("State") == "running" and rows[s].get("Health") == "healthy" for s in services
+                rows.get(s, {}).get("State") == "running" and rows[s].get("Health") == "healthy"
+                for s in services
             ):
                 return time.monotonic() - t0
             dead = [s for s, r in rows.items() if r.get("State") in ("exited", "dead")]
@@ -102,10 +108,15 @@ def free_port() -> int:
 
 
 def http_json(
-    url: str, body: Mapping[str, Any] | None = None, headers: Mapping[str, str] | None = None, timeout: float = 120
+    url: str,
+    body: Mapping[str, Any] | None = None,
+    headers: Mapping[str, str] | None = None,
+    timeout: float = 120,
 ) -> tuple[int, Any]:
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    req = urllib.request.Request(
+        url, data=data, headers={"Content-Type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             raw = r.read()
@@ -139,7 +150,18 @@ def torch_wheelhouse(requirement: str, folder: Path) -> Path:
         return folder
     folder.mkdir(parents=True, exist_ok=True)
     subprocess.run(
-        [sys.executable, "-m", "pip", "download", "-q", "--only-binary", ":all:", "-d", str(folder), requirement],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--only-binary",
+            ":all:",
+            "-d",
+            str(folder),
+            requirement,
+        ],
         check=True,
         timeout=900,
     )

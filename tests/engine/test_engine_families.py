@@ -27,13 +27,34 @@ from keepwarm.engine.cache.disk_cache import DiskCache
 from keepwarm.engine.cache.policy import Policy
 from keepwarm.engine.cache.snapshot import Snapshot
 from keepwarm.engine.engine import Engine
-from keepwarm.engine.models import deepseek_v4, qwen3_5
+from keepwarm.engine.models import deepseek_v4, gpt_oss, laguna, qwen3_5
 from keepwarm.engine.models.backend import Backend, State
 from tests.engine.test_engine import SYSTEM, USER_TURNS, _cfg, _req, assert_restart_replays, run_conversation
 
-FAMILIES = ("hybrid", "deepseek_v4")
-_FIXTURE = {"hybrid": "tiny_hybrid_model", "deepseek_v4": "tiny_deepseek_model"}
+FAMILIES = ("hybrid", "deepseek_v4", "laguna", "gpt_oss")
+_FIXTURE = {
+    "hybrid": "tiny_hybrid_model",
+    "deepseek_v4": "tiny_deepseek_model",
+    "laguna": "tiny_laguna_model",
+    "gpt_oss": "tiny_gpt_oss_model",
+}
 LOGITS_ATOL = 1e-5  # chunked vs one-shot prefill of the same tokens; observed <= 2e-7 here
+
+
+@pytest.fixture(scope="session")
+def tiny_laguna_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny laguna (sliding window 16 + full attention, per-layer heads, MoE) demo checkpoint."""
+    from keepwarm.engine.demo.demo_model import make_demo_model
+
+    return make_demo_model(tmp_path_factory.mktemp("models") / "tiny-laguna", "laguna", 0, "tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt_oss_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny gpt_oss (alternating sliding window 16 / full attention with sinks, MoE) demo checkpoint."""
+    from keepwarm.engine.demo.demo_model import make_demo_model
+
+    return make_demo_model(tmp_path_factory.mktemp("models") / "tiny-gpt_oss", "gpt_oss", 0, "tiny")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -183,7 +204,8 @@ def _variant_model(base: Path, dest: Path, family: str, edit: dict[str, Any]) ->
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(base / name, dest / name)
     config = {**json.loads((base / "config.json").read_text()), **edit}
-    init = qwen3_5.init_weights if family == "hybrid" else deepseek_v4.init_weights
+    module = {"hybrid": qwen3_5, "deepseek_v4": deepseek_v4, "laguna": laguna, "gpt_oss": gpt_oss}[family]
+    init = module.init_weights
     weights = {k: v.contiguous() for k, v in init(config, 0).items()}
     save_file(weights, str(dest / "model.safetensors"), metadata={"format": "pt"})
     (dest / "config.json").write_text(json.dumps(config, indent=2))
@@ -195,6 +217,9 @@ def _variant_model(base: Path, dest: Path, family: str, edit: dict[str, Any]) ->
 _OTHER: dict[str, dict[str, Any]] = {
     "hybrid": {"layer_types": ["full_attention", "linear_attention", "linear_attention", "linear_attention"]},
     "deepseek_v4": {"compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16}},
+    # laguna, gpt_oss: window 8 instead of 16 (same names, other sliding row counts)
+    "laguna": {"sliding_window": 8},
+    "gpt_oss": {"sliding_window": 8},
 }
 
 

@@ -129,11 +129,11 @@ def test_unavailable_kernel_keeps_torch_results_for_every_shape() -> None:
 def test_routing_takes_the_kernel_only_for_bf16_decode_shapes(kernel: CpuLinear) -> None:
     g = _gen(4)
     w, b = _rand((32, 64), g), _rand((32,), g)
-    for m in (1, 2, 3, 4):
+    for m in (1, 2, 3, 4, 5, 8, 16):
         assert kernel.uses_kernel(_rand((m, 64), g), w, b)
     assert kernel.uses_kernel(_rand((64,), g), w)  # 1-D x: one token
     assert kernel.uses_kernel(_rand((1, 2, 64), g), w)  # leading dims flattened: 2 tokens
-    assert not kernel.uses_kernel(_rand((5, 64), g), w)  # more tokens than MAX_TOKENS
+    assert not kernel.uses_kernel(_rand((17, 64), g), w)  # more tokens than MAX_TOKENS
     assert not kernel.uses_kernel(_rand((1, 64), g).float(), w.float())  # fp32
     assert not kernel.uses_kernel(_rand((1, 64), g), w.float())
     assert not kernel.uses_kernel(_rand((1, 64), g), _rand((64, 32), g).T)  # weight not contiguous
@@ -149,8 +149,8 @@ def test_routing_takes_the_kernel_only_for_bf16_decode_shapes(kernel: CpuLinear)
 def test_fallback_shapes_return_torch_results_exactly(kernel: CpuLinear) -> None:
     g = _gen(5)
     w, b = _rand((48, 80), g), _rand((48,), g)
-    x5 = _rand((5, 80), g)
-    assert torch.equal(kernel(x5, w, b), F.linear(x5, w, b))
+    x17 = _rand((17, 80), g)
+    assert torch.equal(kernel(x17, w, b), F.linear(x17, w, b))
     x32, w32 = torch.randn(1, 80, generator=g), torch.randn(48, 80, generator=g)
     assert torch.equal(kernel(x32, w32), F.linear(x32, w32))
     wt = _rand((80, 48), g).T
@@ -162,7 +162,7 @@ def test_fallback_shapes_return_torch_results_exactly(kernel: CpuLinear) -> None
 
 
 @needs_kernel
-@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("m", [1, 2, 6])
 @pytest.mark.parametrize("k", [64, 100, 1024, 3072 + 5])
 @pytest.mark.parametrize("n", [1, 17, 2048])
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -187,7 +187,22 @@ def test_matches_torch_and_fp64(kernel: CpuLinear, m: int, k: int, n: int, with_
 
 
 @needs_kernel
-@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("k", [64, 1000, 3072 + 5])
+def test_each_row_is_bitwise_independent_of_the_batch(kernel: CpuLinear, k: int) -> None:
+    """A token row's result is the same bits whatever the other rows and however many:
+    decode steps of any batch size give each sequence what it gets alone."""
+    g = _gen(k)
+    w, b = _rand((96, k), g, scale=0.05), _rand((96,), g)
+    x = _rand((16, k), g)
+    alone = torch.stack([kernel(x[i : i + 1], w, b, out_dtype=torch.float32)[0] for i in range(16)])
+    for m in (2, 3, 4, 5, 7, 8, 13, 16):
+        got = kernel(x[:m], w, b, out_dtype=torch.float32)
+        assert torch.equal(got, alone[:m]), m
+        assert torch.equal(kernel(x[16 - m :], w, b, out_dtype=torch.float32), alone[16 - m :]), m
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 16])
 @pytest.mark.parametrize("k", [1, 31, 33, 3077])
 def test_exact_on_integer_data(kernel: CpuLinear, m: int, k: int) -> None:
     """Small integers make every product and partial sum exact in fp32, so the fp32 output

@@ -227,6 +227,8 @@ class DiskCache:
         refresh_s: float = 60.0,
         disk_free: Callable[[Path], int] = _disk_free,
         disk_total: Callable[[Path], int] = _disk_total,
+        block_bytes: int = 4096,
+        index_slack: int = 64 << 10,
     ) -> None:
         if not NAME.fullmatch(namespace):
             raise ValueError(
@@ -255,6 +257,8 @@ class DiskCache:
         self._clock = clock
         self._disk_free = disk_free
         self._disk_total = disk_total
+        self.block_bytes = max(1, block_bytes)  # a file takes whole blocks of the volume ...
+        self.index_slack = index_slack  # ... and the index's WAL grows: kept free with the floor
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self._lock = threading.RLock()
         self._pending: set[str] = set()
@@ -824,6 +828,8 @@ class DiskCache:
         The free-space query runs outside any lock (it may be slow on network disks)."""
         if self.min_free_bytes <= 0:
             return -(1 << 62)
+        if incoming:  # what the file really takes: whole blocks, plus the index's growth
+            incoming = -(-incoming // self.block_bytes) * self.block_bytes + self.index_slack
         return self.min_free_bytes - (self._disk_free(self.root) - incoming)
 
     def _claim(self, incoming: int, reserve: Row | None, floor_deficit: int | None = None) -> Claim:

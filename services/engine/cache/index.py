@@ -220,6 +220,10 @@ class CacheIndex:
             if str(mode).lower() != "wal":
                 log.warning("disk cache: index %s cannot use WAL here (journal mode %s)", self.path, mode)
             conn.execute("PRAGMA synchronous=NORMAL")
+            # Keep the WAL small (the cache may live on a small volume): checkpoint every
+            # 64 pages, truncate the file back to 1 MiB after a checkpoint.
+            conn.execute("PRAGMA wal_autocheckpoint=64")
+            conn.execute("PRAGMA journal_size_limit=1048576")
             ok = conn.execute("PRAGMA quick_check").fetchone()[0]
             if ok != "ok":
                 raise sqlite3.DatabaseError(f"quick_check: {ok}")

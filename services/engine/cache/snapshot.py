@@ -64,10 +64,14 @@ class Geometry:
 
     def layout_id(self) -> str:
         """Hash of names, dtypes and shapes with the length dim normalized, so that
-        snapshots of every length share one namespace."""
+        snapshots of every length share one namespace. A `rows` function with a `layout_key`
+        (e.g. a sliding window's size) is part of the layout: it decides the row counts."""
         h = hashlib.sha256()
         for s in sorted(self.specs, key=lambda s: s.name):
             h.update(f"{s.name}|{str(s.dtype)}|{s.shape}|{s.length_dim}\n".encode())
+            rows_key = getattr(s.rows, "layout_key", None)
+            if rows_key is not None:
+                h.update(f"rows={rows_key}\n".encode())
         return h.hexdigest()[:32]
 
     def validate(self, tensors: Mapping[str, torch.Tensor], position: int) -> None:
@@ -104,5 +108,20 @@ class Snapshot:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def detached(self) -> Snapshot:
-        """A copy that no longer aliases live state (for the RAM tier and the writer)."""
-        return Snapshot(self.position, {k: v.detach().to("cpu", copy=True) for k, v in self.tensors.items()})
+        """A host-memory copy that no longer aliases live state (for the RAM tier and the
+        writer). Device tensors go to pinned host memory by non-blocking copies, with one
+        wait for all of them rather than a stall per tensor."""
+        out: dict[str, torch.Tensor] = {}
+        waits: set[torch.device] = set()
+        for k, v in self.tensors.items():
+            if v.device.type == "cpu":
+                out[k] = v.detach().to("cpu", copy=True)
+                continue
+            host = torch.empty(v.shape, dtype=v.dtype, device="cpu", pin_memory=torch.cuda.is_available())
+            host.copy_(v.detach(), non_blocking=True)
+            out[k] = host
+            waits.add(v.device)
+        for d in waits:
+            if d.type == "cuda":
+                torch.cuda.current_stream(d).synchronize()
+        return Snapshot(self.position, out)

@@ -289,6 +289,8 @@ FAMILIES: dict[str, Callable[[], DemoFamily]] = {
     "dense": lambda: DemoFamily(dense_demo_config, dense_init_weights),
     "hybrid": _from_module("qwen3_5"),
     "deepseek_v4": _from_module("deepseek_v4"),
+    "laguna": _from_module("laguna"),
+    "gpt_oss": _from_module("gpt_oss"),
 }
 
 

@@ -71,6 +71,7 @@ class GenerateRequest:
     repetition_penalty: float = 1.0  # > 0; 1 = off
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in -100..100)
     constraint: Constraint | None = None
+    parallel_tool_calls: bool = True  # a tool_choice constraint may emit several calls
 
     def __post_init__(self) -> None:
         if not 1 <= self.n <= 128:
@@ -125,6 +126,9 @@ class Timings:
 class TokenEvent:
     token_id: int
     text: str  # newly completed text (may be empty while a UTF-8 character or stop string is pending)
+    index: int = 0  # the choice (n > 1)
+    logprob: float | None = None  # with `logprobs`: log p(token_id)
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # with `top_logprobs`: (token id, log p), best first
 
 
 @dataclass(frozen=True)
@@ -137,3 +141,4 @@ class FinishEvent:
     timings: Timings
     prefix_key: str | None = None  # deepest key this request leaves for the session (continued checkpoint)
     prefix_tokens: int = 0
+    index: int = 0  # the choice (n > 1); usage counts every choice's tokens on its own event

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -36,19 +37,96 @@ class SamplingParams:
             raise SamplingError(f"at most 16 stop strings are allowed, got {len(self.stop)}")
 
 
+@dataclass(frozen=True)
+class LogitsRules:
+    """Per-request changes to the logits before sampling (OpenAI / vLLM semantics):
+    presence and frequency penalties over the reply's tokens, a multiplicative
+    repetition penalty over prompt and reply (HF semantics: divide positive logits,
+    multiply negative ones), an additive bias per token id; and how many log
+    probabilities to report (taken from the unmodified logits)."""
+
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    @property
+    def changes_logits(self) -> bool:
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+        )
+
+
+@dataclass(frozen=True)
+class Pick:
+    token: int
+    logprob: float | None = None  # log p(token) under the model's logits (float32 log-softmax)
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # the most likely tokens, best first
+
+
 class Sampler:
-    """Picks the next token from logits [vocab] float32; one per request (owns its RNG)."""
+    """Picks the next token from logits [vocab] float32; one per sequence (owns its RNG:
+    seeded runs repeat exactly whatever else the engine runs). Choice `i` of an n > 1
+    request draws from its own generator, seeded from (seed, i)."""
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, rules: LogitsRules | None = None, choice: int = 0) -> None:
         self.params = params
+        self.rules = rules or LogitsRules()
         self.generator = torch.Generator()
-        self.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+        seed = params.seed if params.seed is not None else torch.seed()
+        self.generator.manual_seed((seed + 0x9E3779B97F4A7C15 * choice) % (1 << 64))
 
-    def __call__(self, logits: torch.Tensor) -> int:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        prompt: Sequence[int] = (),
+        reply: Sequence[int] = (),
+        allowed: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> Pick:
+        """`prompt`, `reply`: the sequence's tokens so far (for penalties); `allowed` masks
+        disallowed tokens to -inf in place (constrained decoding)."""
+        r = self.rules
+        raw = logits.float()
+        x = raw.cpu().clone() if (r.changes_logits or allowed is not None) else raw
+        if r.changes_logits:
+            x = self._apply_rules(x, prompt, reply)
+        if allowed is not None:
+            allowed(x)
+        tok = self._pick(x)
+        if not r.logprobs:
+            return Pick(tok)
+        lp = torch.log_softmax(raw, dim=-1)
+        top: tuple[tuple[int, float], ...] = ()
+        if r.top_logprobs:
+            vals, idx = torch.topk(lp, min(r.top_logprobs, lp.shape[-1]))
+            top = tuple((int(i), float(v)) for i, v in zip(idx, vals, strict=True))
+        return Pick(tok, float(lp[tok]), top)
+
+    def _apply_rules(self, x: torch.Tensor, prompt: Sequence[int], reply: Sequence[int]) -> torch.Tensor:
+        r, vocab = self.rules, x.shape[-1]
+        if reply and (r.presence_penalty or r.frequency_penalty):
+            counts = torch.bincount(torch.tensor(list(reply), dtype=torch.long), minlength=vocab)[:vocab]
+            x -= r.frequency_penalty * counts.to(x.dtype) + r.presence_penalty * (counts > 0).to(x.dtype)
+        if r.repetition_penalty != 1.0 and (prompt or reply):
+            seen = torch.unique(torch.tensor([*prompt, *reply], dtype=torch.long))
+            seen = seen[seen < vocab]
+            v = x[seen]
+            x[seen] = torch.where(v > 0, v / r.repetition_penalty, v * r.repetition_penalty)
+        for token, bias in r.logit_bias:
+            if token < vocab:
+                x[token] += bias
+        return x
+
+    def _pick(self, x: torch.Tensor) -> int:
         p = self.params
         if p.temperature == 0.0:
-            return int(torch.argmax(logits))
-        x = logits.float().cpu() / p.temperature
+            return int(torch.argmax(x))
+        x = x.float().cpu() / p.temperature
         if p.top_k > 0 and p.top_k < x.shape[0]:
             kth = torch.topk(x, p.top_k).values[-1]
             x = x.masked_fill(x < kth, float("-inf"))

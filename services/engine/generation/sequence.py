@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from keepwarm.engine.cache.policy import Policy
 from keepwarm.engine.cache.prefix_cache import Hit
 from keepwarm.engine.cache.snapshot import Snapshot
+from keepwarm.engine.generation.grammar import TokenMatcher
 from keepwarm.engine.generation.request import FinishEvent, GenerateRequest, TokenEvent
 from keepwarm.engine.generation.sampling import Sampler
 from keepwarm.engine.generation.stopping import StopChecker
@@ -59,6 +60,10 @@ class Sequence:
     prefill_s: float = 0.0  # this sequence's share of the steps that prefilled it
     decode_s: float = 0.0
     num_preemptions: int = 0
+    queued: bool = True  # counted in the engine's bounded waiting queue (until first admitted)
+    choice: int = 0  # which of the request's n choices this is
+    group: list[Sequence] = field(default_factory=list)  # every choice of the request (n > 1)
+    matcher: TokenMatcher | None = None  # constrained decoding (response_format, tool_choice)
 
     @property
     def salt(self) -> str:

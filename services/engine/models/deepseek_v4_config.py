@@ -186,6 +186,11 @@ class DeepseekV4Config:
             raise CheckpointError(
                 f"config.json: hidden_act {cfg.get('hidden_act')!r} is not supported (silu only)"
             )
+        if cfg.get("mlp_bias"):
+            raise CheckpointError(
+                "config.json: mlp_bias is true (biases in the shared expert's projections), which this "
+                "engine does not implement for deepseek_v4"
+            )
         if cfg.get("quantization_config"):
             raise CheckpointError(
                 "config.json: quantized (FP8/FP4) DeepSeek V4 checkpoints are not supported; "

@@ -36,9 +36,15 @@ class DenseConfig:
     rms_norm_eps: float
     tie_word_embeddings: bool
     qk_norm: bool
+    qkv_bias: bool = False  # q/k/v projections have a bias (qwen2 always; llama, qwen3: attention_bias)
+    o_bias: bool = False  # o_proj has a bias (llama, qwen3: attention_bias)
+    mlp_bias: bool = False  # gate/up/down have a bias (llama: mlp_bias)
 
     @staticmethod
     def from_dict(cfg: dict[str, Any]) -> DenseConfig:
+        refuse_unsupported_fields(cfg)
+        mt = cfg.get("model_type")
+        attention_bias = bool(cfg.get("attention_bias", False))
         try:
             num_heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
@@ -54,9 +60,63 @@ class DenseConfig:
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 qk_norm=cfg["model_type"] == "qwen3",
+                qkv_bias=mt == "qwen2" or attention_bias,
+                o_bias=mt != "qwen2" and attention_bias,
+                mlp_bias=mt == "llama" and bool(cfg.get("mlp_bias", False)),
             )
         except KeyError as e:
             raise CheckpointError(f"config.json: required field {e.args[0]!r} is missing") from e
+
+
+# Every field of transformers' LlamaConfig, Qwen2Config and Qwen3Config, by what this
+# family does with it (tests/engine/models/test_config_fields.py keeps the lists complete).
+HONOURED_FIELDS = frozenset(
+    {
+        "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+        "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "tie_word_embeddings",
+        "rope_parameters", "rope_scaling", "rope_theta", "max_position_embeddings", "attention_bias",
+        "mlp_bias", "hidden_act", "use_sliding_window", "sliding_window", "max_window_layers", "layer_types",
+    }
+)  # fmt: skip
+# Fields that do not change inference math (training, generation defaults, bookkeeping).
+NO_MATH_FIELDS = frozenset(
+    {
+        "initializer_range", "use_cache", "pad_token_id", "bos_token_id", "eos_token_id",
+        "attention_dropout", "pretraining_tp", "dtype", "torch_dtype", "transformers_version",
+        "architectures", "_name_or_path",
+    }
+)  # fmt: skip
+
+
+def refuse_unsupported_fields(cfg: dict[str, Any]) -> None:
+    """Raise CheckpointError naming the config.json field when it asks for math this family
+    does not implement (transformers would compute something else)."""
+    mt = cfg.get("model_type")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(
+            f"config.json: hidden_act {cfg.get('hidden_act')!r} is not supported (silu only)"
+        )
+    if cfg.get("quantization_config"):
+        raise CheckpointError("config.json: quantization_config: quantized checkpoints are not supported")
+    n = int(cfg.get("num_hidden_layers") or 0)
+    layer_types = cfg.get("layer_types")
+    if layer_types is None and mt in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
+        # transformers' derivation: sliding from layer max_window_layers on
+        window_from = int(cfg.get("max_window_layers", 28))
+        windowed = cfg.get("sliding_window", 4096) is not None
+        layer_types = [
+            "sliding_attention" if windowed and i >= window_from else "full_attention" for i in range(n)
+        ]
+    if layer_types is not None and any(t != "full_attention" for t in layer_types):
+        sliding = [i for i, t in enumerate(layer_types) if t != "full_attention"]
+        raise CheckpointError(
+            f"config.json: use_sliding_window / layer_types make layers {sliding} "
+            f"{sorted({t for t in layer_types if t != 'full_attention'})} (sliding_window "
+            f"{cfg.get('sliding_window')}), which this engine does not implement: only 'full_attention' "
+            "layers are; set use_sliding_window to false only if the model was trained without it"
+        )
+    if mt != "llama" and cfg.get("mlp_bias"):
+        raise CheckpointError(f"config.json: mlp_bias is not a {mt} option (llama only)")
 
 
 @dataclass
@@ -248,15 +308,6 @@ def build(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, ops: Ops) 
     def w(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return ckpt.load(name, dtype, device, shape=shape)
 
-    def opt(name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
-        return w(name, shape) if ckpt.has(name) else None
-
-    def fused(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
-        if all(p is None for p in parts):
-            return None
-        assert all(p is not None for p in parts), "a fused projection has bias on some parts only"
-        return torch.cat([p for p in parts if p is not None], dim=0)
-
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
@@ -276,22 +327,28 @@ def build(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, ops: Ops) 
             _Layer(
                 input_norm=w(p + "input_layernorm.weight", (hid,)),
                 w_qkv=w_qkv,
-                b_qkv=fused(
+                # biases exactly as transformers builds them from the config (a bias the
+                # config does not ask for is ignored there, so here too)
+                b_qkv=torch.cat(
                     [
-                        opt(a + "q_proj.bias", (q_size,)),
-                        opt(a + "k_proj.bias", (kv_size,)),
-                        opt(a + "v_proj.bias", (kv_size,)),
+                        w(a + "q_proj.bias", (q_size,)),
+                        w(a + "k_proj.bias", (kv_size,)),
+                        w(a + "v_proj.bias", (kv_size,)),
                     ]
-                ),
+                )
+                if cfg.qkv_bias
+                else None,
                 q_norm=w(a + "q_norm.weight", (d,)) if cfg.qk_norm else None,
                 k_norm=w(a + "k_norm.weight", (d,)) if cfg.qk_norm else None,
                 w_o=w(a + "o_proj.weight", (hid, q_size)),
-                b_o=opt(a + "o_proj.bias", (hid,)),
+                b_o=w(a + "o_proj.bias", (hid,)) if cfg.o_bias else None,
                 post_norm=w(p + "post_attention_layernorm.weight", (hid,)),
                 w_gate_up=w_gate_up,
-                b_gate_up=fused([opt(m + "gate_proj.bias", (inter,)), opt(m + "up_proj.bias", (inter,))]),
+                b_gate_up=torch.cat([w(m + "gate_proj.bias", (inter,)), w(m + "up_proj.bias", (inter,))])
+                if cfg.mlp_bias
+                else None,
                 w_down=w(m + "down_proj.weight", (hid, inter)),
-                b_down=opt(m + "down_proj.bias", (hid,)),
+                b_down=w(m + "down_proj.bias", (hid,)) if cfg.mlp_bias else None,
             )
         )
     embed = w("model.embed_tokens.weight", (cfg.vocab_size, hid))

@@ -39,8 +39,7 @@ DENSE, SPARSE = "dense", "sparse"
 _INERT = {
     "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "use_cache",
     "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id", "output_router_logits",
-    "router_aux_loss_coef", "attention_dropout", "max_position_embeddings", "_name_or_path",
-    "auto_map", "tokenizer_class",
+    "router_aux_loss_coef", "attention_dropout", "_name_or_path", "auto_map", "tokenizer_class",
 }  # fmt: skip
 _IMPLEMENTED = {
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -49,6 +48,7 @@ _IMPLEMENTED = {
     "num_attention_heads_per_layer", "mlp_layer_types", "moe_intermediate_size",
     "shared_expert_intermediate_size", "num_experts_per_tok", "num_experts", "moe_routed_scaling_factor",
     "moe_apply_router_weight_on_input", "moe_router_logit_softcapping",
+    "max_position_embeddings",  # read by the rope types that need it (yarn, llama3)
 }  # fmt: skip
 # transformers' LagunaConfig defaults, used where config.json omits a field
 _DEFAULT_ROPE = {

@@ -134,6 +134,13 @@ class Qwen35Config:
             raise CheckpointError(
                 f"config.json: hidden_act {cfg.get('hidden_act')!r} is not supported (silu only)"
             )
+        if cfg.get("attention_bias"):
+            raise CheckpointError(
+                "config.json: attention_bias is true (q/k/v/o projection biases in the attention layers), "
+                "which this engine does not implement for qwen3_5"
+            )
+        if cfg.get("quantization_config"):
+            raise CheckpointError("config.json: quantization_config: quantized checkpoints are not supported")
         return out
 
 

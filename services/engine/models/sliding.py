@@ -45,6 +45,11 @@ class WindowRows:
     def __call__(self, position: int) -> int:
         return min(position, self.window)
 
+    @property
+    def layout_key(self) -> str:
+        """Part of Geometry.layout_id (and so of the cache namespace): another window, other rows."""
+        return f"window={self.window}"
+
 
 def all_rows(position: int) -> int:
     return position

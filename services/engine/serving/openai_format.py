@@ -227,16 +227,19 @@ def _constraint(body: wire.ChatCompletionRequest, tools: tuple[dict[str, Any], .
 
 
 def parse_chat_request(
-    raw: bytes, max_tokens_limit: int, default_policy: Policy, trusted: bool = True
+    raw: bytes | wire.ChatCompletionRequest,
+    max_tokens_limit: int,
+    default_policy: Policy,
+    trusted: bool = True,
 ) -> ChatCall:
-    """`trusted` is False for bodies that came from clients directly: cache_salt and
-    session_hint are only honoured from the gateway."""
-    body = _wire(raw, wire.ChatCompletionRequest)
+    """`raw`: the body's bytes or the body already decoded. `trusted` is False for bodies that
+    came from clients directly: cache_salt and session_hint are only honoured from the gateway."""
+    body = raw if isinstance(raw, wire.ChatCompletionRequest) else _wire(raw, wire.ChatCompletionRequest)
     if body.max_tokens is not None and body.max_completion_tokens is not None:
         param = "max_completion_tokens"
         if body.max_tokens != body.max_completion_tokens:
             raise RequestError(
-                "send max_completion_tokens or max_tokens, not both with different values", param
+                "send max_completion_tokens or max_tokens, not both with different values", param=param
             )
     max_tokens = _max_tokens(
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
@@ -244,10 +247,10 @@ def parse_chat_request(
         max_tokens_limit,
         256,
     )
-    _refuse_pending(body, ("n", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
-                           "repetition_penalty", "logit_bias"))  # fmt: skip
     if body.top_logprobs and not body.logprobs:
         raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+    _refuse_pending(body, ("n", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
+                           "repetition_penalty", "logit_bias"))  # fmt: skip
     stream, include_usage = _stream_flags(body)
     messages = tuple(_message_dict(i, m) for i, m in enumerate(body.messages))
     tools = tuple(
@@ -267,6 +270,7 @@ def parse_chat_request(
         session_hint=hint,
         chat_template_kwargs=dict(body.chat_template_kwargs) if body.chat_template_kwargs else None,
         constraint=constraint,
+        parallel_tool_calls=body.parallel_tool_calls is not False,
         logit_bias=tuple((_token_id(k), float(v)) for k, v in (body.logit_bias or {}).items()),
     )
     return ChatCall(
@@ -295,10 +299,11 @@ def _plain(s: Any) -> dict[str, Any]:
 
 
 def parse_completion_request(
-    raw: bytes, max_tokens_limit: int, default_policy: Policy, trusted: bool = True
+    raw: bytes | wire.CompletionRequest, max_tokens_limit: int, default_policy: Policy, trusted: bool = True
 ) -> CompletionCall:
-    """Legacy completions: `prompt` as text (tokenized by the caller) or token ids."""
-    body = _wire(raw, wire.CompletionRequest)
+    """Legacy completions: `prompt` as text (tokenized by the caller) or token ids; `raw` as
+    bytes or already decoded."""
+    body = raw if isinstance(raw, wire.CompletionRequest) else _wire(raw, wire.CompletionRequest)
     max_tokens = _max_tokens(body.max_tokens, "max_tokens", max_tokens_limit, 16)  # OpenAI's default
     _refuse_pending(body, ("n", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
                            "logit_bias"))  # fmt: skip
@@ -383,6 +388,7 @@ class ReplyParser:
 
     def message(self) -> wire.AssistantMessage:
         return wire.AssistantMessage(
+            role="assistant",
             content=self.content_text if (self.content_text or not self.calls) else None,
             reasoning_content=self.reasoning_text or wire.UNSET,
             tool_calls=[
@@ -495,7 +501,7 @@ def text_completion_body(rid: str, model: str, ev: FinishEvent, namespace: str) 
 
 def text_completion_chunk(
     rid: str, model: str, created: int, text: str, finish: str | None, ev: FinishEvent | None = None,
-    namespace: str = "",
+    namespace: str = "", include_usage: bool = False,
 ) -> bytes:  # fmt: skip
     """A streamed completions chunk; with `ev`, the usage chunk (choices: [])."""
     choices = [] if ev is not None else [wire.CompletionChoice(index=0, text=text, finish_reason=finish)]
@@ -505,7 +511,7 @@ def text_completion_chunk(
             created=created,
             model=model,
             choices=choices,
-            usage=usage(ev) if ev is not None else None,
+            usage=usage(ev) if ev is not None else wire.UNSET,
             keepwarm=keepwarm_info(ev, namespace) if ev is not None else wire.UNSET,
         )
     )

@@ -14,6 +14,7 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from litestar import Litestar, Request, Response, delete, get, post
+from litestar.openapi import OpenAPIConfig
 from litestar.response import Stream
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -135,11 +136,15 @@ def _sse(obj: dict[str, Any] | str | bytes) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-def _decode(raw: bytes, kind: type[wire.T]) -> wire.T:
-    try:
-        return wire.decode(raw, kind)
-    except wire.WireError as e:
-        raise RequestError(str(e), status=e.status, param=e.param) from None
+def _present(data: wire.T | None) -> wire.T:
+    """A typed body, or a 400 for an empty one (litestar hands an empty body over as None)."""
+    if data is None:
+        raise RequestError("the request body is empty; send a JSON object")
+    return data
+
+
+# The error statuses each generating endpoint answers with (documented in /schema).
+_GENERATE_ERRORS = wire.error_responses(400, 401, 404, 413, 429)
 
 
 def create_app(engine: Engine, cfg: EngineConfig) -> Litestar:
@@ -161,8 +166,28 @@ def create_app(engine: Engine, cfg: EngineConfig) -> Litestar:
     worker = Worker(engine, on_event=observe)
     registry.register(EngineCollector(engine, worker))  # type: ignore[arg-type]
     model_id = cfg.served_name
+    card = wire.ModelCard(
+        id=model_id,
+        created=_written_at(cfg.model),
+        owned_by="keepwarm",
+        max_model_len=cfg.max_context,
+        family=engine.backend.family,
+    )
+
+    def check_model(name: str | None) -> None:
+        """`model` names this engine's model (or the alias for it, or is left out); else a 404."""
+        if name is None or name in (model_id, wire.DEFAULT_MODEL):
+            return
+        raise RequestError(
+            f"model {name!r} is not served here; this engine serves {model_id!r} "
+            f"(also accepted as {wire.DEFAULT_MODEL!r})",
+            status=404,
+            param="model",
+        )
 
     def error(e: Exception) -> Response[Any]:
+        if isinstance(e, wire.WireError):
+            return Response(error_body(str(e), e.status, e.param), status_code=e.status)
         if isinstance(e, RequestError):
             return Response(error_body(str(e), e.status, e.param), status_code=e.status)
         if isinstance(e, QueueFull):
@@ -180,12 +205,18 @@ def create_app(engine: Engine, cfg: EngineConfig) -> Litestar:
             )
         return Response(error_body(f"internal error: {type(e).__name__}: {e}", 500), status_code=500)
 
-    def on_error(_: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
+    def on_error(req: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
         status = getattr(exc, "status_code", None)
         if isinstance(status, int) and not isinstance(
             exc, RequestError
         ):  # litestar's own (404, 405, 413 ...)
             detail = getattr(exc, "detail", "") or str(exc)
+            if status == 413:
+                detail = "request body exceeds the engine's limit of 32 MiB; send less"
+            elif status == 404:
+                detail = f"no route for {req.method} {req.url.path}; see /schema for the routes"
+            elif status == 405:
+                detail = f"{req.method} is not allowed on {req.url.path}"
             return Response(error_body(str(detail), status), status_code=status)
         return error(exc)
 
@@ -207,9 +238,15 @@ def create_app(engine: Engine, cfg: EngineConfig) -> Litestar:
             starts_in_reasoning=thinks and prompt_opens_reasoning(tail),
         )
 
-    @post("/v1/chat/completions", status_code=200)
-    async def chat_completions(request: Request[Any, Any, Any]) -> Response[Any]:
-        call = parse_chat_request(await request.body(), cfg.max_tokens_limit, engine.default_policy)
+    @post("/v1/chat/completions", status_code=200, dto=wire.WireBody[wire.ChatCompletionRequest],
+          return_dto=None, responses=_GENERATE_ERRORS)  # fmt: skip
+    async def chat_completions(
+        request: Request[Any, Any, Any], data: wire.ChatCompletionRequest | None = None
+    ) -> Response[Any]:
+        """OpenAI Chat Completions (streamed as SSE with `stream: true`)."""
+        body = _present(data)
+        check_model(body.model)
+        call = parse_chat_request(body, cfg.max_tokens_limit, engine.default_policy)
         req = call.request
         prompt = await asyncio.to_thread(engine.prepare, req)
         shape = reply_shape(call.tools_enabled, call.parallel_tool_calls, prompt.tokens)
@@ -230,9 +267,15 @@ def create_app(engine: Engine, cfg: EngineConfig) -> Litestar:
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
-    @post("/v1/completions", status_code=200)
-    async def completions(request: Request[Any, Any, Any]) -> Response[Any]:
-        call = parse_completion_request(await request.body(), cfg.max_tokens_limit, engine.default_policy)
+    @post("/v1/completions", status_code=200, dto=wire.WireBody[wire.CompletionRequest], return_dto=None,
+          responses=_GENERATE_ERRORS)  # fmt: skip
+    async def completions(
+        request: Request[Any, Any, Any], data: wire.CompletionRequest | None = None
+    ) -> Response[Any]:
+        """OpenAI (legacy) Completions: a raw prompt, text or token ids."""
+        body = _present(data)
+        check_model(body.model)
+        call = parse_completion_request(body, cfg.max_tokens_limit, engine.default_policy)
         req = call.request
         if call.prompt_text is not None:
             ids = await asyncio.to_thread(engine.tokenizer.encode, call.prompt_text, True)
@@ -259,9 +302,12 @@ def create_app(engine: Engine, cfg: EngineConfig) -> Litestar:
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
-    @post("/tokenize", status_code=200)
-    async def tokenize(request: Request[Any, Any, Any]) -> Response[Any]:
-        body = _decode(await request.body(), wire.TokenizeRequest)
+    @post("/tokenize", status_code=200, dto=wire.WireBody[wire.TokenizeRequest], return_dto=None,
+          responses=wire.error_responses(400, 401, 404, 413))  # fmt: skip
+    async def tokenize(data: wire.TokenizeRequest | None = None) -> wire.TokenizeResponse:
+        """Token ids of a text prompt, or of messages rendered by the chat template."""
+        body = _present(data)
+        check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise RequestError("send exactly one of prompt (text) or messages (a chat)", param="prompt")
         if body.prompt is not None:
@@ -294,16 +340,17 @@ def create_app(engine: Engine, cfg: EngineConfig) -> Litestar:
                     f"messages could not be rendered by the chat template: {e}", param="messages"
                 ) from e
             ids = rendered.tokens
-        out = wire.TokenizeResponse(tokens=list(ids), count=len(ids), max_model_len=cfg.max_context)
-        return Response(wire.encode(out), media_type="application/json")
+        return wire.TokenizeResponse(tokens=list(ids), count=len(ids), max_model_len=cfg.max_context)
 
-    @post("/detokenize", status_code=200)
-    async def detokenize(request: Request[Any, Any, Any]) -> Response[Any]:
-        body = _decode(await request.body(), wire.DetokenizeRequest)
+    @post("/detokenize", status_code=200, dto=wire.WireBody[wire.DetokenizeRequest], return_dto=None,
+          responses=wire.error_responses(400, 401, 404, 413))  # fmt: skip
+    async def detokenize(data: wire.DetokenizeRequest | None = None) -> wire.DetokenizeResponse:
+        """The text of token ids (special tokens kept)."""
+        body = _present(data)
+        check_model(body.model)
         if any(t >= engine.tokenizer.vocab_size for t in body.tokens):
             raise RequestError(f"token ids must be below {engine.tokenizer.vocab_size}", param="tokens")
-        text = engine.tokenizer.decode(body.tokens, skip_special_tokens=False)
-        return Response(wire.encode(wire.DetokenizeResponse(prompt=text)), media_type="application/json")
+        return wire.DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens, skip_special_tokens=False))
 
     async def _complete(job: Job, request: Request[Any, Any, Any]) -> FinishEvent | None:
         """Wait for the finish event; a client that disconnects first cancels the job."""
@@ -370,9 +417,17 @@ def create_app(engine: Engine, cfg: EngineConfig) -> Litestar:
                     break
                 if isinstance(ev, TokenEvent):
                     if ev.text:
-                        yield _sse(text_completion_chunk(rid, model_id, created, ev.text, None))
+                        yield _sse(
+                            text_completion_chunk(
+                                rid, model_id, created, ev.text, None, None, "", include_usage
+                            )
+                        )
                 elif isinstance(ev, FinishEvent):
-                    yield _sse(text_completion_chunk(rid, model_id, created, "", ev.finish_reason))
+                    yield _sse(
+                        text_completion_chunk(
+                            rid, model_id, created, "", ev.finish_reason, None, "", include_usage
+                        )
+                    )
                     if include_usage:
                         yield _sse(
                             text_completion_chunk(rid, model_id, created, "", None, ev, engine.namespace)
@@ -382,20 +437,10 @@ def create_app(engine: Engine, cfg: EngineConfig) -> Litestar:
         finally:
             job.cancelled.set()
 
-    @get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": model_id,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "keepwarm",
-                    "family": engine.backend.family,
-                }
-            ],
-        }
+    @get("/v1/models", responses=wire.error_responses(401))
+    async def models() -> wire.ModelList:
+        """The model this engine serves."""
+        return wire.ModelList(data=[card])
 
     @get("/health")
     async def health() -> dict[str, Any]:
@@ -435,7 +480,7 @@ def create_app(engine: Engine, cfg: EngineConfig) -> Litestar:
         ):
             return None
         message = "this engine serves only its gateway: send 'Authorization: Bearer <KEEPWARM_ENGINE_TOKEN>'"
-        return Response(error_body(message, 401), status_code=401)
+        return Response(error_body(message, 401), status_code=401, media_type="application/json")
 
     return Litestar(
         route_handlers=[
@@ -453,7 +498,17 @@ def create_app(engine: Engine, cfg: EngineConfig) -> Litestar:
         exception_handlers={Exception: on_error},
         on_shutdown=[shutdown],
         request_max_body_size=32 * 1024 * 1024,
+        openapi_config=OpenAPIConfig(title="keepwarm engine", version="0.1.0", path="/schema"),
+        plugins=[wire.ClosedStructSchema()],
     )
+
+
+def _written_at(model: Any) -> int:
+    """When the checkpoint was written (its config.json's mtime): OpenAI's `created`."""
+    try:
+        return int((model / "config.json").stat().st_mtime)
+    except OSError:
+        return int(model.stat().st_mtime)
 
 
 async def _until_disconnect(request: Request[Any, Any, Any]) -> None:

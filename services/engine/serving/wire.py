@@ -15,9 +15,15 @@ request parser (openai_format) until the sampler implements them.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, TypeVar
+from collections.abc import Iterator
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 import msgspec
+from litestar.dto import AbstractDTO
+from litestar.openapi.datastructures import ResponseSpec
+from litestar.openapi.spec import Reference, Schema
+from litestar.plugins import OpenAPISchemaPlugin
+from litestar.typing import FieldDefinition
 from msgspec import UNSET, Meta, Struct, UnsetType
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -261,6 +267,59 @@ class DetokenizeResponse(Struct):
     prompt: str
 
 
+# --- models ---------------------------------------------------------------------------------
+
+
+class ModelCard(Struct):
+    """One served model (GET /v1/models): OpenAI's fields plus the longest context it takes."""
+
+    id: str
+    created: int  # unix time the checkpoint was written (its config.json)
+    owned_by: str
+    max_model_len: int
+    object: str = "model"
+    family: str | UnsetType = UNSET  # engine only: the backend family that serves it
+
+
+class ModelList(Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+class ErrorDetail(Struct):
+    message: str  # what to change
+    type: str
+    param: str | None  # the offending field's path, when one field is at fault
+    code: int  # the HTTP status
+
+
+class ErrorBody(Struct):
+    """Every error either service answers with, its own or passed through."""
+
+    error: ErrorDetail
+
+
+_ERROR_WHEN = {
+    400: "the body or a field is invalid; `param` names the field",
+    401: "missing or wrong credentials",
+    403: "not allowed for this caller",
+    404: "no such model (the message lists the served ones) or route",
+    413: "the body is too large",
+    429: "queue full or rate limit reached; see Retry-After",
+    503: "no engine can serve now; see Retry-After",
+}
+
+
+def error_responses(*statuses: int) -> dict[int, ResponseSpec]:
+    """OpenAPI response specs for the error statuses a handler answers with (all one shape)."""
+    return {s: ResponseSpec(data_container=ErrorBody, description=_ERROR_WHEN[s]) for s in statuses}
+
+
+# One name every keepwarm service accepts for "the model served here" when exactly one is served,
+# so clients written before the served name is known (README, dashboard) need no configuration.
+DEFAULT_MODEL = "default"
+
+
 # --- responses ------------------------------------------------------------------------------
 
 
@@ -295,9 +354,9 @@ class ToolCallOut(Struct):
     type: str = "function"
 
 
-class AssistantMessage(Struct, omit_defaults=True):
+class AssistantMessage(Struct):
+    role: str
     content: str | None
-    role: str = "assistant"
     reasoning_content: str | UnsetType = UNSET
     tool_calls: list[ToolCallOut] | UnsetType = UNSET
 
@@ -319,19 +378,19 @@ class ChatCompletion(Struct):
     object: str = "chat.completion"
 
 
-class ToolCallFunctionDelta(Struct, omit_defaults=True):
+class ToolCallFunctionDelta(Struct):
     name: str | UnsetType = UNSET
     arguments: str | UnsetType = UNSET
 
 
-class ToolCallDelta(Struct, omit_defaults=True):
+class ToolCallDelta(Struct):
     index: int
     id: str | UnsetType = UNSET
     type: str | UnsetType = UNSET
     function: ToolCallFunctionDelta | UnsetType = UNSET
 
 
-class Delta(Struct, omit_defaults=True):
+class Delta(Struct):
     role: str | UnsetType = UNSET
     content: str | UnsetType = UNSET
     reasoning_content: str | UnsetType = UNSET
@@ -345,13 +404,15 @@ class ChunkChoice(Struct):
     logprobs: None = None
 
 
-class ChatCompletionChunk(Struct, omit_defaults=True):
+class ChatCompletionChunk(Struct):
     id: str
     created: int
     model: str
     choices: list[ChunkChoice]
     object: str = "chat.completion.chunk"
-    usage: Usage | None | UnsetType = None  # null on every chunk but the include_usage one (as OpenAI)
+    # only on the include_usage chunk; absent elsewhere (OpenAI sends null there when asked; SDKs read both
+    # the same, and the gateway, which always asks, can pass chunks through untouched)
+    usage: Usage | None | UnsetType = UNSET
     keepwarm: KeepwarmInfo | UnsetType = UNSET
 
 
@@ -362,13 +423,13 @@ class CompletionChoice(Struct):
     logprobs: None = None
 
 
-class Completion(Struct, omit_defaults=True):
+class Completion(Struct):
     id: str
     created: int
     model: str
     choices: list[CompletionChoice]
     object: str = "text_completion"
-    usage: Usage | None | UnsetType = UNSET
+    usage: Usage | None | UnsetType = UNSET  # as in ChatCompletionChunk
     keepwarm: KeepwarmInfo | UnsetType = UNSET
 
 
@@ -457,3 +518,62 @@ def _wire_error(text: str) -> WireError:
 
 def encode(obj: Any) -> bytes:
     return msgspec.json.encode(obj)
+
+
+# --- litestar: typed bodies, documented ------------------------------------------------------
+
+
+class WireBody(AbstractDTO[T], Generic[T]):
+    """A handler's `data` decoded by `decode` above (strict types, a WireError naming the field)
+    instead of litestar's lenient conversion, and documented in the OpenAPI schema as its Struct.
+    Use as `dto=WireBody[ChatCompletionRequest]` with `data: ChatCompletionRequest | None = None`
+    (None: the body was empty). Subclasses may check the raw bytes first (`decode_bytes`)."""
+
+    @classmethod
+    def generate_field_definitions(cls, model_type: type[Any]) -> Iterator[Any]:
+        return iter(())
+
+    @classmethod
+    def detect_nested_field(cls, field_definition: FieldDefinition) -> bool:
+        return False
+
+    @classmethod
+    def create_for_field_definition(cls, field_definition: FieldDefinition, handler_id: str,
+                                    backend_cls: Any = None) -> None:  # fmt: skip
+        return None  # no transfer model: decode_bytes below is the whole decoder
+
+    @classmethod
+    def create_openapi_schema(
+        cls, field_definition: FieldDefinition, handler_id: str, schema_creator: Any
+    ) -> Reference | Schema:
+        schema: Reference | Schema = schema_creator.for_field_definition(
+            FieldDefinition.from_annotation(cls.model_type)
+        )
+        return schema
+
+    def decode_bytes(self, value: bytes) -> Any:
+        return decode(value, self.model_type)
+
+    def decode_builtins(self, value: dict[str, Any]) -> Any:
+        return msgspec.convert(value, self.model_type)
+
+
+class ClosedStructSchema(OpenAPISchemaPlugin):
+    """Documents `forbid_unknown_fields` Structs as `additionalProperties: false` (litestar's own
+    Struct schemas leave every object open), so a schema-driven client sends only known fields.
+    Register with `Litestar(plugins=[ClosedStructSchema()])`."""
+
+    def is_plugin_supported_field(self, field_definition: FieldDefinition) -> bool:
+        return (
+            not field_definition.is_union
+            and field_definition.is_subclass_of(Struct)
+            and bool(getattr(field_definition.type_, "__struct_config__", None))
+            and field_definition.type_.__struct_config__.forbid_unknown_fields
+        )
+
+    def to_openapi_schema(self, field_definition: FieldDefinition, schema_creator: Any) -> Schema:
+        from litestar._openapi.schema_generation.plugins import StructSchemaPlugin
+
+        schema: Schema = StructSchemaPlugin().to_openapi_schema(field_definition, schema_creator)
+        schema.additional_properties = False
+        return schema

@@ -1,8 +1,9 @@
 """A separate process using a DiskCache folder, for test_disk_cache.py.
 
 disk_cache_worker.py save ROOT NAMESPACE LO HI GO_FILE
-    creates GO_FILE.ready.LO, waits for GO_FILE, saves entries LO..HI-1 (fsync on), flushes, loads each
-    back (one hit per key), prints its stats as JSON.
+    creates GO_FILE.ready.LO, waits for GO_FILE, saves entries LO..HI-1 (fsync on; a key the other
+    process is writing is left to it), flushes, waits until each is published, loads each back
+    (one hit per key), prints its stats as JSON.
 disk_cache_worker.py loop ROOT NAMESPACE
     saves large entries 0, 1, 2, ... forever, one at a time (to be SIGKILLed);
     prints "ready" once the first is on disk.
@@ -48,7 +49,12 @@ def save_range(root: Path, namespace: str, lo: int, hi: int, go: Path) -> None:
     validate = validator()
     for i in range(lo, hi):
         tokens = entry_tokens(i)
-        assert cache.load(prefix_key(namespace, "", tokens), tokens, validate) is not None, i
+        key = prefix_key(namespace, "", tokens)
+        deadline = time.monotonic() + 60
+        while not cache.path_for(key).exists():  # the other process may still be writing it
+            assert time.monotonic() < deadline, f"entry {i} never published"
+            time.sleep(0.005)
+        assert cache.load(key, tokens, validate) is not None, i
     cache.close()
     print(json.dumps(dataclasses.asdict(cache.stats())), flush=True)
 

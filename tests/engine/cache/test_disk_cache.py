@@ -376,7 +376,9 @@ def test_free_disk_floor(tmp_path: Path) -> None:
     def disk_free(root: Path) -> int:  # a small disk: its capacity minus the real files on it
         return capacity - sum(p.stat().st_size for p in root.rglob("*.safetensors"))
 
-    c = open_cache(tmp_path, min_free_bytes=size + size // 2, disk_free=disk_free)
+    c = open_cache(
+        tmp_path, min_free_bytes=size + size // 2, disk_free=disk_free, block_bytes=1, index_slack=0
+    )
     a, b = put(c, 0), put(c, 1)
     assert keys_on_disk(c) == {a, b}
     d = put(c, 2)  # 3 files would leave 1 size free < 1.5: the oldest goes

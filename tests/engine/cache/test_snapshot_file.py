@@ -10,8 +10,9 @@ import pytest
 import torch
 import xxhash
 from safetensors import safe_open
-from snapshot_fixtures import NAMESPACE, OTHER_NAMESPACE, make_snapshot, same_bytes
+from snapshot_fixtures import NAMESPACE, OTHER_NAMESPACE, forge_header, make_snapshot, same_bytes
 
+from keepwarm.engine.cache import snapshot_file
 from keepwarm.engine.cache.snapshot import Snapshot
 from keepwarm.engine.cache.snapshot_file import (
     FORMAT_VERSION,
@@ -165,6 +166,7 @@ def test_unreadable_files(tmp_path: Path) -> None:
     doc["a.byte"]["data_offsets"] = [0, 3]
     doc["b.f32"]["data_offsets"] = [3, 11]
     doc[TOKENS]["data_offsets"] = [11, 11]
+    meta["header_checksum"] = snapshot_file._header_checksum(meta, doc)  # a forger who knows the format
     doc["__metadata__"] = meta
     body = json.dumps(doc).encode()
     body += b" " * (-(8 + len(body)) % 8)
@@ -190,10 +192,35 @@ def test_namespace_key_version_position_and_tokens_checks(tmp_path: Path) -> Non
 def test_forged_position_past_key_is_rejected(tmp_path: Path) -> None:
     path = tmp_path / "k.safetensors"
     _write(path, position=8, tokens=TOKENS_10[:8])  # 8-token key
-    _patch_header(path, '"position":"8"', '"position":"9"')
+    forge_header(path, position="9")  # header checksum recomputed: only the guard can tell
     h = read_header(path)
     assert (h.position, h.key_tokens) == (9, 8)
     assert _reason(path) == "position_past_key"
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ('"position":"8"', '"position":"7"'),  # the DeepSeek V4 sliding-only case: a smaller position
+        ('"key_tokens":"10"', '"key_tokens":"11"'),
+        (f'"namespace":"{NAMESPACE}"', f'"namespace":"{OTHER_NAMESPACE}"'),
+        (f'"key":"{KEY}"', f'"key":"{KEY[::-1]}"'),
+        ('"created":"1234.5"', '"created":"1234.6"'),
+        ('"shape":[4,4]', '"shape":[2,8]'),
+    ],
+)
+def test_every_edited_header_field_is_a_checksum_failure(tmp_path: Path, old: str, new: str) -> None:
+    path = tmp_path / "k.safetensors"
+    _write(path)
+    _patch_header(path, old, new)
+    with pytest.raises(SnapshotFileError) as e:
+        read_header(path)
+    assert e.value.reason == "checksum"
+    assert _reason(path, namespace=NAMESPACE) == "checksum"
+    assert _reason(path, namespace=OTHER_NAMESPACE) == "checksum"
+    with pytest.raises(SnapshotFileError) as e:
+        read_snapshot(path, namespace=NAMESPACE, alloc=lambda *_: None)
+    assert e.value.reason == "checksum"
 
 
 def test_header_json_lists_tensors_by_item_size(tmp_path: Path) -> None:

@@ -55,8 +55,15 @@ def gen_schema(rng: random.Random, depth: int = 0) -> dict[str, Any]:
         return {"enum": rng.sample(["red", "green", "blue", 1, 2.5, None, True, "東京"], rng.randint(1, 4))}
     if kind == "array":
         lo = rng.randint(0, 2)
-        return {"type": "array", "items": gen_schema(rng, depth + 1), "minItems": lo, "maxItems": lo + rng.randint(0, 3)}
-    names = rng.sample(["id", "name", "tags", "kind", "size", "owner", "meta", "river", "ok"], rng.randint(1, 4))
+        return {
+            "type": "array",
+            "items": gen_schema(rng, depth + 1),
+            "minItems": lo,
+            "maxItems": lo + rng.randint(0, 3),
+        }
+    names = rng.sample(
+        ["id", "name", "tags", "kind", "size", "owner", "meta", "river", "ok"], rng.randint(1, 4)
+    )
     props = {n: gen_schema(rng, depth + 1) for n in names}
     return {
         "type": "object",
@@ -82,12 +89,19 @@ def sample_constrained(matcher: Any, gtok: GrammarTokenizer, tok: Tokenizer, see
     raise AssertionError(f"no end of turn in {MAX_STEPS} steps: {tok.decode(ids)!r}")
 
 
-def test_random_sampling_under_generated_schemas_always_validates(gtok: GrammarTokenizer, tok: Tokenizer) -> None:
+def test_random_sampling_under_generated_schemas_always_validates(
+    gtok: GrammarTokenizer, tok: Tokenizer
+) -> None:
     rng = random.Random(13)
     schemas = [gen_schema(rng) for _ in range(NUM_SCHEMAS)]
     # the set really exercises nesting, arrays, enums and required fields
     text = json.dumps(schemas)
-    assert text.count('"type": "object"') >= NUM_SCHEMAS + 10 and '"items"' in text and '"enum"' in text and '"required": ["' in text
+    assert (
+        text.count('"type": "object"') >= NUM_SCHEMAS + 10
+        and '"items"' in text
+        and '"enum"' in text
+        and '"required": ["' in text
+    )
     for i, schema in enumerate(schemas):
         m = matcher_for(Constraint("json_schema", schema=schema, strict=True), gtok)
         out, n = sample_constrained(m, gtok, tok, seed=i)
@@ -126,8 +140,12 @@ TOOLS = (
 
 
 @pytest.mark.parametrize("fmt", ["hermes", "llama3_json"])
-@pytest.mark.parametrize("kind,name", [("tool_named", "count"), ("tool_named", "get_weather"), ("tool_required", None)])
-def test_forced_tool_calls_parse_as_calls(gtok: GrammarTokenizer, tok: Tokenizer, fmt: str, kind: str, name: str | None) -> None:
+@pytest.mark.parametrize(
+    "kind,name", [("tool_named", "count"), ("tool_named", "get_weather"), ("tool_required", None)]
+)
+def test_forced_tool_calls_parse_as_calls(
+    gtok: GrammarTokenizer, tok: Tokenizer, fmt: str, kind: str, name: str | None
+) -> None:
     for seed in range(3):
         m = matcher_for(Constraint(kind, tools=TOOLS, tool_name=name), gtok, fmt, parallel_tool_calls=False)
         out, _ = sample_constrained(m, gtok, tok, seed)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from keepwarm.engine.cache.snapshot import Snapshot
+from keepwarm.engine.cache.snapshot import LOGITS, Snapshot
 from keepwarm.engine.cache.snapshot_file import write_snapshot
 from keepwarm.engine.models.backend import State
 from keepwarm.engine.models.sliding import SLIDING, SlidingKvBackend
@@ -53,8 +53,8 @@ def check_logits(ref: Any, ours: SlidingKvBackend, n: int) -> None:
     assert (got - want).abs().max().item() <= ATOL
 
 
-def check_greedy(ref: Any, ours: SlidingKvBackend, n: int = 11, new: int = 32) -> None:
-    toks = prompt(n, ours.vocab_size, seed=2)
+def check_greedy(ref: Any, ours: SlidingKvBackend, n: int = 11, new: int = 32, seed: int = 2) -> None:
+    toks = prompt(n, ours.vocab_size, seed=seed)
     with torch.no_grad():
         out = ref.generate(
             toks[None], attention_mask=torch.ones(1, n, dtype=torch.long), max_new_tokens=new,
@@ -67,7 +67,7 @@ def check_greedy(ref: Any, ours: SlidingKvBackend, n: int = 11, new: int = 32) -
     for _ in range(new):
         got.append(int(logits.argmax()))
         logits = ours.decode(state, got[-1])
-    assert got == want
+    assert got == want, (got, want)
     assert len(set(got)) > 3  # a varied continuation, not one token repeated
 
 
@@ -82,7 +82,8 @@ def check_chunked(ours: SlidingKvBackend, chunk: int) -> None:
     # float32 noise only (logits reach ~30 here: 1e-4 is a few ulps)
     assert (torch.cat(parts) - one).abs().max().item() <= ATOL
     for name, t in ours.export(one_state).tensors.items():  # the same rows, in the same order
-        assert (ours.export(state).tensors[name] - t).abs().max().item() <= 1e-5, name
+        tol = ATOL if name == LOGITS else 1e-5  # K/V rows are O(1), logits reach ~30
+        assert (ours.export(state).tensors[name] - t).abs().max().item() <= tol, name
     assert (ours.decode(state, 5) - ours.decode(one_state, 5)).abs().max().item() <= ATOL
 
 

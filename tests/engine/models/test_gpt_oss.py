@@ -37,7 +37,7 @@ CASES: dict[str, dict[str, Any]] = {
         num_experts_per_tok=2,
     ),  # fmt: skip
     # window 128 (larger than the prompts), sinks off (-inf), top-1 of 3, MQA, no attention
-    # biases, tied embeddings, plain rope, a tight SwiGLU clamp that really clips
+    # biases, plain rope, a tight SwiGLU clamp that really clips
     "w128-nosinks-top1": dict(
         num_hidden_layers=3,
         layer_types=[F, S, S],
@@ -63,6 +63,9 @@ def _model(name: str, seed: int = 0) -> GptOssForCausalLM:
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.self_attn.sinks.fill_(float("-inf"))
+            # with weak attention the last token's embedding dominates and greedy decoding
+            # settles on a repeat; smaller embeddings let the layers speak
+            model.model.embed_tokens.weight.mul_(0.2)
     return model
 
 
@@ -98,7 +101,7 @@ def test_logits_match_transformers(case: tuple[Any, GptOssBackend, Path], n: int
 
 
 def test_greedy_32_tokens_match_transformers_generate(case: tuple[Any, GptOssBackend, Path]) -> None:
-    checks.check_greedy(case[0], case[1])
+    checks.check_greedy(case[0], case[1], seed=3)  # a prompt whose continuation varies on both
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 64])
@@ -110,9 +113,10 @@ def test_batched_step_equals_prefill_per_sequence(case: tuple[Any, GptOssBackend
     checks.check_step(case[1], min(case[1].cfg.sliding_window, 16))
 
 
-def test_snapshots_below_at_above_the_window_continue_in_a_fresh_process(tmp_path: Path) -> None:
-    path = tmp_path / "model"
-    _model("w8-sinks-top2").save_pretrained(path)
+def test_snapshots_below_at_above_the_window_continue_in_a_fresh_process(
+    oss_dir: Path, tmp_path: Path
+) -> None:
+    path = oss_dir
     ours = build(open_checkpoint(path), CPU, torch.float32, TORCH_OPS)
     checks.check_snapshots_in_fresh_process(ours, path, tmp_path, window=8)
     checks.check_views_survive_the_ring_wrapping(ours, window=8)
@@ -140,8 +144,8 @@ def test_adopt_rejects_rows_that_disagree_with_position_and_window(
     assert torch.equal(ours.adopt(good, n + 4).logits, good.tensors["sidecar.logits"])
 
 
-def test_bf16_runs_and_mostly_agrees(case: tuple[Any, GptOssBackend, Path]) -> None:
-    ref, _, path = case
+def test_bf16_runs_and_mostly_agrees(oss_dir: Path) -> None:
+    ref, path = _model("w8-sinks-top2"), oss_dir
     b16 = build(open_checkpoint(path), CPU, torch.bfloat16, TORCH_OPS)
     assert b16.layers[0].input_norm.dtype == torch.float32  # norms stay float32, as transformers keeps them
     toks = checks.prompt(30, b16.vocab_size, seed=5)
@@ -152,12 +156,10 @@ def test_bf16_runs_and_mostly_agrees(case: tuple[Any, GptOssBackend, Path]) -> N
     assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.8
 
 
-def test_triton_attention_in_model(
-    case: tuple[Any, GptOssBackend, Path], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_triton_attention_in_model(oss_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The GPU path's kernels (sinks included), on CPU under the Triton interpreter, in the model."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    ref, _, path = case
+    ref, path = _model("w8-sinks-top2"), oss_dir
     b = build(open_checkpoint(path), CPU, torch.float32, TORCH_OPS)
     b.attention = TRITON_SLIDING
     toks = checks.prompt(20, b.vocab_size, seed=9)
@@ -206,7 +208,8 @@ def test_snapshot_file_of_2048_tokens_with_window_128(tmp_path: Path) -> None:
     )
     assert size is not None and full is not None
     row_bytes = 2 * ours.cfg.num_kv_heads * ours.cfg.head_dim * 4  # k and v, float32
-    assert full - size == len(sliding) * (n - 128) * row_bytes
+    dropped = len(sliding) * (n - 128) * row_bytes
+    assert abs((full - size) - dropped) < 256  # the rest: header digits and alignment
     print(f"2048 tokens, window 128: {size} bytes vs {full} bytes with every row ({size / full:.3f})")
     assert size / full < 0.6  # half the layers are sliding: they shrink 16x
 
@@ -242,7 +245,7 @@ def oss_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "partial",
         ),
         ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "longrope"),
-        ({"num_local_experts": 5}, r"router.weight.*shape"),
+        ({"num_local_experts": 5}, r"experts.gate_up_proj.*shape"),
     ],
 )
 def test_config_fields_are_implemented_or_refused_by_name(

@@ -114,9 +114,10 @@ def test_batched_step_equals_prefill_per_sequence(case: tuple[Any, LagunaBackend
     checks.check_step(case[1], min(case[1].cfg.sliding_window, 16))
 
 
-def test_snapshots_below_at_above_the_window_continue_in_a_fresh_process(tmp_path: Path) -> None:
-    path = tmp_path / "model"
-    _model(CASES["w8-top2-heads"]).save_pretrained(path)
+def test_snapshots_below_at_above_the_window_continue_in_a_fresh_process(
+    laguna_dir: Path, tmp_path: Path
+) -> None:
+    path = laguna_dir
     ours = build(open_checkpoint(path), CPU, torch.float32, TORCH_OPS)
     checks.check_snapshots_in_fresh_process(ours, path, tmp_path, window=8)
     checks.check_views_survive_the_ring_wrapping(ours, window=8)
@@ -148,8 +149,8 @@ def test_adopt_rejects_rows_that_disagree_with_position_and_window(
         ours.adopt(good, n - 1)
 
 
-def test_bf16_runs_and_mostly_agrees(case: tuple[Any, LagunaBackend, Path]) -> None:
-    ref, _, path = case
+def test_bf16_runs_and_mostly_agrees(laguna_dir: Path) -> None:
+    ref, path = _model(CASES["w8-top2-heads"]), laguna_dir
     b16 = build(open_checkpoint(path), CPU, torch.bfloat16, TORCH_OPS)
     toks = checks.prompt(30, b16.vocab_size, seed=5)
     got = b16.forward(b16.new_state(32), toks, all_logits=True)
@@ -159,12 +160,10 @@ def test_bf16_runs_and_mostly_agrees(case: tuple[Any, LagunaBackend, Path]) -> N
     assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.8
 
 
-def test_triton_attention_in_model(
-    case: tuple[Any, LagunaBackend, Path], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_triton_attention_in_model(laguna_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The GPU path's kernels, run on CPU under the Triton interpreter, inside the model."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    ref, _, path = case
+    ref, path = _model(CASES["w8-top2-heads"]), laguna_dir
     b = build(open_checkpoint(path), CPU, torch.float32, TORCH_OPS)
     b.attention = TRITON_SLIDING
     toks = checks.prompt(20, b.vocab_size, seed=9)

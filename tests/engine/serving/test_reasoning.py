@@ -24,12 +24,22 @@ def run(text: str, starts: bool, pieces: list[str] | None = None) -> tuple[str, 
 @pytest.mark.parametrize(
     "text,starts,reasoning,content",
     [
-        ("<think>\nThe user wants a river.\n</think>\n\nThe Tagus.", False, "\nThe user wants a river.\n", "The Tagus."),
+        (
+            "<think>\nThe user wants a river.\n</think>\n\nThe Tagus.",
+            False,
+            "\nThe user wants a river.\n",
+            "The Tagus.",
+        ),
         ("The user wants a river.\n</think>\n\nThe Tagus.", True, "The user wants a river.\n", "The Tagus."),
         ("<think>\n\n</think>\n\nThe Tagus.", False, "\n\n", "The Tagus."),
         ("The Tagus, no thinking.", False, "", "The Tagus, no thinking."),
         ("  <thinking> is a word", False, "", "  <thinking> is a word"),
-        ("<think>still thinking when max_tokens ran out", False, "still thinking when max_tokens ran out", ""),
+        (
+            "<think>still thinking when max_tokens ran out",
+            False,
+            "still thinking when max_tokens ran out",
+            "",
+        ),
         ("<think>a</think>b </think> c", False, "a", "b </think> c"),
     ],
 )
@@ -67,7 +77,10 @@ def test_reply_with_reasoning_content_and_a_tool_call() -> None:
         p = ReplyParser(shape)
         deltas = [p.feed(text[i : i + size]) for i in range(0, len(text), size)] + [p.finish()]
         sent = [d for d in deltas if d is not None]
-        assert "".join(d.reasoning_content for d in sent if isinstance(d.reasoning_content, str)) == msg.reasoning_content
+        assert (
+            "".join(d.reasoning_content for d in sent if isinstance(d.reasoning_content, str))
+            == msg.reasoning_content
+        )
         assert "".join(d.content for d in sent if isinstance(d.content, str)) == "Checking."
         calls = [c for d in sent if isinstance(d.tool_calls, list) for c in d.tool_calls]
         assert [(c.index, c.type, c.function.name) for c in calls] == [(0, "function", "get_weather")]

@@ -10,7 +10,12 @@ from typing import Any
 
 import pytest
 
-from keepwarm.engine.demo.demo_model import CHATML_TEMPLATE, CHATML_SPECIAL_TOKENS, tokenizer_config, train_bpe
+from keepwarm.engine.demo.demo_model import (
+    CHATML_SPECIAL_TOKENS,
+    CHATML_TEMPLATE,
+    tokenizer_config,
+    train_bpe,
+)
 from keepwarm.engine.loading.chat_template import ChatTemplate
 from keepwarm.engine.loading.tokenizer import Tokenizer
 from keepwarm.engine.serving.tool_calls import ToolCallParser, detect_format, parse_tool_calls
@@ -40,7 +45,7 @@ DEEPSEEK_V4_TEMPLATE = (
     "{%- elif message.role == 'tool' %}<｜User｜><tool_result>{{ message.content }}</tool_result>"
     "{%- elif message.role == 'assistant' %}<｜Assistant｜></think>{{ message.content or '' }}"
     "{%- if message.tool_calls %}\n\n<" + DSML + "tool_calls>\n"
-    "{%- for tc in message.tool_calls %}<" + DSML + "invoke name=\"{{ tc.function.name }}\">\n"
+    "{%- for tc in message.tool_calls %}<" + DSML + 'invoke name="{{ tc.function.name }}">\n'
     "{%- for k, v in tc.function.arguments.items() %}"
     "<" + DSML + "parameter name=\"{{ k }}\" string=\"{{ 'true' if v is string else 'false' }}\">"
     "{{ v if v is string else v | tojson }}</" + DSML + "parameter>\n"
