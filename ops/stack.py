@@ -16,6 +16,7 @@ folder, so sessions survive its restart (and the stack's).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
 import signal
@@ -28,6 +29,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# README.md's first example: a system prompt long enough to be cached, so a second call hits.
+EXAMPLE = json.dumps(
+    {
+        "model": "default",
+        "max_tokens": 32,
+        "messages": [
+            {
+                "role": "system",
+                "content": "You are the demo assistant of keepwarm, a chat server that never prefills the same "
+                "prefix twice. Answer in plain English, in at most three short sentences, and say so when you do "
+                "not know. This system prompt is long on purpose: keepwarm keeps the model state after it in RAM "
+                "and on disk, so the next request that starts with it, and the next turn of this conversation, "
+                "skip that prefill. Send this request twice and compare usage.prompt_tokens_details.cached_tokens.",
+            },
+            {"role": "user", "content": "Hello!"},
+        ],
+    }
+)
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 30.0
 STABLE_AFTER_S = 60.0  # a child up this long restarts with the first backoff again
@@ -245,12 +264,11 @@ def main() -> int:
             print(f"dashboard: http://127.0.0.1:{dp}")
         print(f"api key: {api_key}")
         print(f"(up in {time.monotonic() - t_start:.1f} s; disk cache {cache_dir}; Ctrl-C stops everything)")
-        print("try:")
+        print("try README.md's example, twice: the second call reports cached_tokens (its system prompt")
+        print("is over --min-tokens, so its state is kept; a bare 'Hello!' would be too short to cache):")
         print(
             f"  curl -s http://127.0.0.1:{gp}/v1/chat/completions -H 'Authorization: Bearer {api_key}' \\\n"
-            f"    -H 'Content-Type: application/json' -H 'X-Session-Id: demo' \\\n"
-            '    -d \'{"model": "keepwarm", "messages": [{"role": "user", "content": "Hello!"}], '
-            '"max_tokens": 32}\'',
+            f"    -H 'Content-Type: application/json' -H 'X-Session-Id: demo' -d @- <<'EOF'\n{EXAMPLE}\nEOF",
             flush=True,
         )
         while True:

@@ -1,12 +1,15 @@
 """The OpenAI-compatible gateway: `create_app(config) -> Litestar`.
 
-POST /v1/chat/completions, per request:
+POST /v1/chat/completions and POST /v1/completions, per request:
   auth (Bearer key -> tenant) -> per-tenant rate limit (429) -> body size (413)
   -> bounded JSON (depth, message count, every numeric field's range: 400/413
-  naming the field or limit, see chat_body) -> client `cache_salt` and
-  `session_hint` dropped; `cache_salt` = HMAC(secret, tenant); the session's last
-  prefix key from Redis sent as `session_hint` -> the first healthy engine in
-  affinity order; a failure before anything reached the client (connect error,
+  naming the field or limit, see chat_body) -> the typed wire model (400 naming
+  the field, as an engine would) -> `model` resolved against the models healthy
+  engines serve (404 listing them; `default` or no model: the only one served)
+  -> client `cache_salt` and `session_hint` dropped; `cache_salt` = HMAC(secret,
+  tenant); the session's last prefix key from Redis sent as `session_hint` ->
+  the first healthy engine serving that model in affinity order; a failure
+  before anything reached the client (connect error,
   timeout, engine gone before its headers, engine 503 or 429, engine marked down
   by the health poller while the request waited, e.g. a paused process) moves
   on to the next engine -> the answer passed through. When every engine
@@ -24,6 +27,10 @@ A client that disconnects closes the upstream request, so the engine cancels
 the generation: streaming via litestar's disconnect listener cancelling the
 relay (plus a background close as a backstop), non-streaming by racing the
 engine call against the client's `http.disconnect`.
+
+POST /tokenize and /detokenize are passed to an engine serving the model.
+/schema serves the OpenAPI document (request bodies typed by the wire models;
+every error in the one shape of errors.py).
 
 Every engine request carries `Authorization: Bearer <engine token>` when one is
 configured (engines refuse anyone else).
@@ -54,8 +61,10 @@ from typing import Any
 
 import anyio
 import httpx
+import msgspec
 from litestar import Litestar, Request, Response, delete, get, post
 from litestar.background_tasks import BackgroundTask
+from litestar.openapi import OpenAPIConfig
 from litestar.response import Stream
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
@@ -64,7 +73,7 @@ from redis.exceptions import RedisError
 
 from keepwarm.api.auth import Authenticator, Caller
 from keepwarm.api.breaker import Breaker, RedisUnavailable
-from keepwarm.api.chat_body import parse_chat_body
+from keepwarm.api.chat_body import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody
 from keepwarm.api.config import GatewayConfig
 from keepwarm.api.engines import EnginePool
 from keepwarm.api.errors import ApiError, handle_exception, upstream_error
@@ -73,6 +82,7 @@ from keepwarm.api.record import RequestRecord
 from keepwarm.api.sessions import SessionStore, check_session_id
 from keepwarm.api.stats import StatsStore
 from keepwarm.api.tenant_keys import TenantKeys
+from keepwarm.engine.serving import wire
 
 log = logging.getLogger("keepwarm.api")
 
@@ -102,24 +112,10 @@ class Turn:
     session: str | None
     engine: str
     usage_to_client: bool = True  # streams: the client asked for stream_options.include_usage
+    path: str = "/v1/chat/completions"
 
 
-async def read_body(request: Request[Any, Any, Any], limit: int) -> bytes:
-    """The whole body, or a 413 as soon as it is known to exceed `limit` bytes."""
-    too_big = ApiError(
-        413, f"request body exceeds the gateway limit of {limit} bytes (KEEPWARM_MAX_BODY_BYTES); send less"
-    )
-    announced = request.headers.get("content-length")
-    if announced and announced.isdigit() and int(announced) > limit:
-        raise too_big
-    parts: list[bytes] = []
-    size = 0
-    async for part in request.stream():
-        size += len(part)
-        if size > limit:
-            raise too_big
-        parts.append(part)
-    return b"".join(parts)
+GenerateBody = wire.ChatCompletionRequest | wire.CompletionRequest
 
 
 async def _until_disconnect(request: Request[Any, Any, Any]) -> None:
@@ -221,13 +217,14 @@ class Gateway:
                 headers={"Retry-After": str(wait)},
             )
 
-    async def healthy_engines(self, affinity: str, preferred: str | None) -> list[str]:
-        engines = self.pool.candidates(affinity, preferred)
+    async def healthy_engines(self, affinity: str, preferred: str | None, model: str) -> list[str]:
+        engines = self.pool.candidates(affinity, preferred, model)
         if not engines:
             # The poller may lag a restart; look once more before refusing.
             await self.pool.probe_all()
-            engines = self.pool.candidates(affinity, preferred)
+            engines = self.pool.candidates(affinity, preferred, model)
         if not engines:
+            self.resolve_model(model)  # its 503 / 404 when the model's engines went away
             raise self.no_engine()
         return engines
 
@@ -257,39 +254,77 @@ class Gateway:
             await self.redis_do(self.tenant_keys.add(turn.caller.tenant, key, now), "cache key record")
         await self.redis_do(self.stats.record(rec), "stats record")
 
-    async def chat(self, request: Request[Any, Any, Any]) -> Response[Any]:
-        caller = self.auth.authenticate(request.headers.get("authorization"))
-        await self.check_rate(caller)
-        body = parse_chat_body(await read_body(request, self.config.max_body_bytes), self.config.max_messages)
+    def resolve_model(self, name: str | None) -> str:
+        """The served model a request's `model` names: itself, or for `default` (or none) the one
+        model served. 404 listing the served ones for an unknown name; 503 when the model's
+        engines are all down (or no engine is up to say what is served)."""
+        served = self.pool.served()
+        if not served:
+            raise self.no_engine()
+        if name is None or name == wire.DEFAULT_MODEL:
+            if len(served) == 1:
+                return next(iter(served))
+            raise ApiError(
+                400,
+                f"this gateway serves several models ({', '.join(sorted(served))}); name one in 'model' "
+                f"({wire.DEFAULT_MODEL!r} stands for the only model when just one is served)",
+                param="model",
+            )
+        if name in served:
+            return name
+        if self.pool.known(name):
+            retry = max(1, math.ceil(self.config.health_interval_s))
+            raise ApiError(
+                503,
+                f"no healthy engine serves model {name!r} now; retry later",
+                param="model",
+                headers={"Retry-After": str(retry)},
+            )
+        raise ApiError(
+            404,
+            f"model {name!r} is not served here; served models: {', '.join(sorted(served))} "
+            f"(GET /v1/models; {wire.DEFAULT_MODEL!r} names the only one when just one is served)",
+            param="model",
+        )
+
+    async def served_model(self, name: str | None) -> str:
+        if not self.pool.served():
+            await self.pool.probe_all()  # the poller may lag a restart; look once more
+        return self.resolve_model(name)
+
+    async def generate(self, request: Request[Any, Any, Any], data: GenerateBody, path: str) -> Response[Any]:
+        """Chat completions and completions: the same sessions, salt, routing and usage records."""
+        caller: Caller = request.state.caller
         sid: str | None = None
         if request.headers.get("x-session-id"):
             sid = check_session_id(request.headers["x-session-id"], "X-Session-Id")
-        elif isinstance(body.get("user"), str) and body["user"]:
-            sid = check_session_id(body["user"], "user")
-        # Engine-only fields are the gateway's to set, never a client's.
-        body.pop("session_hint", None)
-        body["cache_salt"] = caller.salt
+        elif data.user:
+            sid = check_session_id(data.user, "user")
+        model = await self.served_model(data.model)
         session = None
         if sid is not None:
             session = await self.redis_do(self.sessions.get(caller.tenant, sid), "session read")
+        # Engine-only fields are the gateway's to set, never a client's.
+        changes: dict[str, Any] = {"model": model, "cache_salt": caller.salt, "session_hint": None}
         if session is not None and session.key:
-            body["session_hint"] = {"key": session.key, "tokens": session.tokens}
-        streaming = body.get("stream") is True
+            changes["session_hint"] = wire.SessionHintBody(key=session.key, tokens=session.tokens)
+        streaming = data.stream
         usage_to_client = True
-        options = body.get("stream_options")
-        if streaming and (options is None or isinstance(options, dict)):
+        if streaming:
             # The gateway needs the usage chunk (sessions, stats); the client gets it only if it asked.
-            usage_to_client = isinstance(options, dict) and options.get("include_usage") is True
-            body["stream_options"] = {**(options or {}), "include_usage": True}
-        payload = json.dumps(body).encode()
+            usage_to_client = bool(data.stream_options and data.stream_options.include_usage)
+            changes["stream_options"] = wire.StreamOptions(include_usage=True)
+        payload = wire.encode(msgspec.structs.replace(data, **changes))
         affinity, preferred = sid or caller.tenant, session.engine if session else None
         tried: set[str] = set()
         full: list[ApiError] = []  # engines that answered 429
-        engines = await self.healthy_engines(affinity, preferred)
+        engines = await self.healthy_engines(affinity, preferred, model)
         while engines:
             for url in engines:
                 tried.add(url)
-                turn = Turn(caller=caller, session=sid, engine=url, usage_to_client=usage_to_client)
+                turn = Turn(
+                    caller=caller, session=sid, engine=url, usage_to_client=usage_to_client, path=path
+                )
                 try:
                     if streaming:
                         return await self._stream(turn, payload)
@@ -305,7 +340,7 @@ class Gateway:
                     full.append(e.error)
             # Every engine believed healthy failed: one fresh look for engines that came back.
             await self.pool.probe_all()
-            engines = [u for u in self.pool.candidates(affinity, preferred) if u not in tried]
+            engines = [u for u in self.pool.candidates(affinity, preferred, model) if u not in tried]
         if full:
             raise min(full, key=_retry_after)
         raise self.no_engine()
@@ -331,7 +366,7 @@ class Gateway:
         """The engine's response with headers read; non-200 answers raise."""
         req = self.client.build_request(
             "POST",
-            f"{turn.engine}/v1/chat/completions",
+            f"{turn.engine}{turn.path}",
             content=payload,
             headers={"content-type": "application/json"},
         )
@@ -450,19 +485,45 @@ class Gateway:
 
     # -- everything else -------------------------------------------------
 
-    async def models(self) -> dict[str, Any]:
-        seen: dict[str, Any] = {}
-        for url in await self.healthy_engines("models", None):
-            try:
-                r = await self.client.get(f"{url}/v1/models", timeout=5.0)
-                for m in r.json().get("data", []) if r.status_code == 200 else []:
-                    if isinstance(m, dict) and isinstance(m.get("id"), str):
-                        seen.setdefault(m["id"], m)
-            except (httpx.HTTPError, ValueError, AttributeError) as e:
-                log.warning("engine %s /v1/models failed: %s", url, e)
-        if not seen:
+    async def models(self) -> wire.ModelList:
+        """Every model a healthy engine serves, as the engines' /v1/models listed them (learned
+        by the health poll); for a model several engines serve, the smallest max_model_len
+        (what any of them takes) and the earliest `created`."""
+        if not self.pool.served():
+            await self.pool.probe_all()
+        served = self.pool.served()
+        if not served:
             raise self.no_engine()
-        return {"object": "list", "data": list(seen.values())}
+        cards = []
+        for name in sorted(served):
+            of = served[name]
+            cards.append(
+                wire.ModelCard(
+                    id=name,
+                    created=min(_int(c.get("created")) for c in of),
+                    owned_by=str(of[0].get("owned_by") or "keepwarm"),
+                    max_model_len=min(_int(c.get("max_model_len")) for c in of),
+                )
+            )
+        return wire.ModelList(data=cards)
+
+    async def pass_through(self, request: Request[Any, Any, Any], data: Any, path: str) -> Response[Any]:
+        """/tokenize, /detokenize: the answer of an engine serving the model, as it is."""
+        caller: Caller = request.state.caller
+        model = await self.served_model(data.model)
+        payload = wire.encode(msgspec.structs.replace(data, model=model))
+        for url in await self.healthy_engines(caller.tenant, None, model):
+            try:
+                r = await self.client.post(
+                    f"{url}{path}", content=payload, headers={"content-type": "application/json"}
+                )
+            except _FAILOVER_ERRORS as e:
+                self.pool.mark_down(url, f"{type(e).__name__}: {e}")
+                continue
+            if r.status_code != 200:
+                raise upstream_error(r.status_code, r.content, r.headers)
+            return Response(content=r.content, media_type="application/json")
+        raise self.no_engine()
 
     async def cache(self, caller: Caller, top: int) -> dict[str, Any]:
         """Each engine's namespace and cache figures with the caller's `top` most-hit
@@ -533,6 +594,10 @@ def _shared_stats(stats: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _int(v: Any) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) else 0
+
+
 def _retry_after(e: ApiError) -> float:
     try:
         return float(e.headers.get("Retry-After") or e.headers.get("retry-after") or math.inf)
@@ -570,12 +635,51 @@ def create_app(config: GatewayConfig) -> Litestar:
     def caller_of(request: Request[Any, Any, Any]) -> Caller:
         return gw.auth.authenticate(request.headers.get("authorization"))
 
-    @post("/v1/chat/completions", status_code=200)
-    async def chat_completions(request: Request[Any, Any, Any]) -> Response[Any]:
-        return await gw.chat(request)
+    async def admit(request: Request[Any, Any, Any]) -> None:
+        """Before a POST body is read: the caller (401) and its rate limit (429)."""
+        caller = caller_of(request)
+        await gw.check_rate(caller)
+        request.state.caller = caller
 
-    @get("/v1/models")
-    async def models(request: Request[Any, Any, Any]) -> dict[str, Any]:
+    chat_body = type("ChatBody", (ChatBody,), {"max_messages": config.max_messages})
+    generate_errors = wire.error_responses(400, 401, 404, 413, 429, 503)
+    tool_errors = wire.error_responses(400, 401, 404, 413, 429, 503)
+
+    @post("/v1/chat/completions", status_code=200, before_request=admit, dto=chat_body, return_dto=None,
+          responses=generate_errors)  # fmt: skip
+    async def chat_completions(
+        request: Request[Any, Any, Any], data: wire.ChatCompletionRequest | None = None
+    ) -> Response[Any]:
+        """OpenAI Chat Completions (SSE with `stream: true`), routed by `model` and session."""
+        return await gw.generate(request, _present(data), "/v1/chat/completions")
+
+    @post("/v1/completions", status_code=200, before_request=admit, dto=CompletionBody, return_dto=None,
+          responses=generate_errors)  # fmt: skip
+    async def completions(
+        request: Request[Any, Any, Any], data: wire.CompletionRequest | None = None
+    ) -> Response[Any]:
+        """OpenAI (legacy) Completions: a raw prompt, with chat's sessions, cache and usage."""
+        return await gw.generate(request, _present(data), "/v1/completions")
+
+    @post("/tokenize", status_code=200, before_request=admit, dto=TokenizeBody, return_dto=None,
+          responses=tool_errors)  # fmt: skip
+    async def tokenize(
+        request: Request[Any, Any, Any], data: wire.TokenizeRequest | None = None
+    ) -> wire.TokenizeResponse:
+        """Token ids of a prompt, or of messages rendered by the model's chat template."""
+        return await gw.pass_through(request, _present(data), "/tokenize")  # type: ignore[return-value]
+
+    @post("/detokenize", status_code=200, before_request=admit, dto=DetokenizeBody, return_dto=None,
+          responses=tool_errors)  # fmt: skip
+    async def detokenize(
+        request: Request[Any, Any, Any], data: wire.DetokenizeRequest | None = None
+    ) -> wire.DetokenizeResponse:
+        """The text of token ids."""
+        return await gw.pass_through(request, _present(data), "/detokenize")  # type: ignore[return-value]
+
+    @get("/v1/models", responses=wire.error_responses(401, 503))
+    async def models(request: Request[Any, Any, Any]) -> wire.ModelList:
+        """The models the healthy engines serve."""
         caller_of(request)
         return await gw.models()
 
@@ -631,9 +735,29 @@ def create_app(config: GatewayConfig) -> Litestar:
         return await gw.clear_cache()
 
     return Litestar(
-        route_handlers=[chat_completions, models, health, stats, sessions, session, cache, clear_cache],
+        route_handlers=[
+            chat_completions,
+            completions,
+            tokenize,
+            detokenize,
+            models,
+            health,
+            stats,
+            sessions,
+            session,
+            cache,
+            clear_cache,
+        ],
         lifespan=[lifespan],
         exception_handlers={Exception: handle_exception},
-        request_max_body_size=None,  # read_body enforces config.max_body_bytes with a precise message
-        openapi_config=None,
+        request_max_body_size=config.max_body_bytes,  # a 413 naming KEEPWARM_MAX_BODY_BYTES (errors.py)
+        openapi_config=OpenAPIConfig(title="keepwarm gateway", version="0.1.0", path="/schema"),
+        plugins=[wire.ClosedStructSchema()],
     )
+
+
+def _present(data: Any) -> Any:
+    """A typed body, or a 400 for an empty one (litestar hands an empty body over as None)."""
+    if data is None:
+        raise ApiError(400, "request body is empty; send a JSON object")
+    return data

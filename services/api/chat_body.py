@@ -1,4 +1,7 @@
-"""The chat request body as the gateway accepts it: bounded before any work.
+"""Request bodies as the gateway accepts them: bounded before any work, then
+decoded into the engine's typed wire models (keepwarm.engine.serving.wire, which
+imports nothing but msgspec and litestar), so the gateway refuses exactly what
+an engine would, before any engine is asked, with the same message.
 
 `parse_chat_body(raw, max_messages)` returns the request object or raises an
 ApiError naming the field or the limit:
@@ -10,7 +13,10 @@ ApiError naming the field or the limit:
     and every other number anywhere in the body a 64-bit integer or a finite float,
     so no value reaches an engine that it cannot hold (a seed >= 2^64 used to fail
     only after the prefill had run).
-The engine validates the rest (and names it).
+`parse_bounded(raw)` does the same for any other body (no `messages` rules).
+The `*Body` DTO classes run these checks on the raw bytes and then decode the
+body with `wire.decode` (a WireError naming the field; the app renders it as a
+400 in the one error shape); they also document the body in /schema.
 """
 
 from __future__ import annotations
@@ -19,9 +25,10 @@ import json
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from keepwarm.api.errors import ApiError
+from keepwarm.engine.serving import wire
 
 MAX_JSON_DEPTH = 64  # a chat body needs ~6 levels; tool schemas a few more
 _I32 = 2**31 - 1
@@ -123,8 +130,7 @@ def _check_ranges(obj: dict[str, Any], ranges: dict[str, Range], prefix: str = "
             raise ApiError(400, f"'{field}' must be {rng.describe()}, got {v!r}", param=field)
 
 
-def parse_chat_body(raw: bytes, max_messages: int) -> dict[str, Any]:
-    """The request object, or an ApiError (400 / 413) naming what is wrong."""
+def _load(raw: bytes, shape: str) -> dict[str, Any]:
     try:
         body = json.loads(raw, parse_constant=_refuse_constant)
     except RecursionError:
@@ -132,8 +138,36 @@ def parse_chat_body(raw: bytes, max_messages: int) -> dict[str, Any]:
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"request body is not valid JSON ({e}); send a JSON object") from None
     if not isinstance(body, dict):
-        raise ApiError(400, "request body must be a JSON object with a 'messages' list")
+        raise ApiError(400, f"request body must be a JSON object{shape}")
     _check_depth(body)
+    return body
+
+
+def _check_common(raw: bytes, body: dict[str, Any]) -> None:
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise ApiError(400, "'stream' must be true or false", param="stream")
+    if "user" in body and body["user"] is not None and not isinstance(body["user"], str):
+        raise ApiError(400, "'user' must be a string", param="user")
+    _check_ranges(body, FIELD_RANGES)
+    pc = body.get("prefix_cache")
+    if pc is not None:
+        if not isinstance(pc, dict):
+            raise ApiError(400, "'prefix_cache' must be an object {scope, window}", param="prefix_cache")
+        _check_ranges(pc, PREFIX_CACHE_RANGES, "prefix_cache.")
+    if _LONG_DIGITS.search(raw):  # only a run of 20+ digits can be an integer beyond 64 bits
+        _check_integers(body)
+
+
+def parse_bounded(raw: bytes) -> dict[str, Any]:
+    """Any request object (completions, tokenize, ...), or an ApiError naming what is wrong."""
+    body = _load(raw, "")
+    _check_common(raw, body)
+    return body
+
+
+def parse_chat_body(raw: bytes, max_messages: int) -> dict[str, Any]:
+    """The request object, or an ApiError (400 / 413) naming what is wrong."""
+    body = _load(raw, " with a 'messages' list")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(
@@ -151,16 +185,36 @@ def parse_chat_body(raw: bytes, max_messages: int) -> dict[str, Any]:
             raise ApiError(
                 400, f"messages[{i}] must be an object with a string 'role'", param=f"messages[{i}].role"
             )
-    if "stream" in body and not isinstance(body["stream"], bool):
-        raise ApiError(400, "'stream' must be true or false", param="stream")
-    if "user" in body and body["user"] is not None and not isinstance(body["user"], str):
-        raise ApiError(400, "'user' must be a string", param="user")
-    _check_ranges(body, FIELD_RANGES)
-    pc = body.get("prefix_cache")
-    if pc is not None:
-        if not isinstance(pc, dict):
-            raise ApiError(400, "'prefix_cache' must be an object {scope, window}", param="prefix_cache")
-        _check_ranges(pc, PREFIX_CACHE_RANGES, "prefix_cache.")
-    if _LONG_DIGITS.search(raw):  # only a run of 20+ digits can be an integer beyond 64 bits
-        _check_integers(body)
+    _check_common(raw, body)
     return body
+
+
+class ChatBody(wire.WireBody[wire.ChatCompletionRequest]):
+    """POST /v1/chat/completions: bounded, then typed. `max_messages` is set per app
+    (`type("ChatBody", (ChatBody,), {"max_messages": n})`)."""
+
+    max_messages: ClassVar[int] = 1_000
+
+    def decode_bytes(self, value: bytes) -> Any:
+        parse_chat_body(value, self.max_messages)
+        return super().decode_bytes(value)
+
+
+class CompletionBody(wire.WireBody[wire.CompletionRequest]):
+    """POST /v1/completions: bounded, then typed."""
+
+    def decode_bytes(self, value: bytes) -> Any:
+        parse_bounded(value)
+        return super().decode_bytes(value)
+
+
+class TokenizeBody(wire.WireBody[wire.TokenizeRequest]):
+    def decode_bytes(self, value: bytes) -> Any:
+        parse_bounded(value)
+        return super().decode_bytes(value)
+
+
+class DetokenizeBody(wire.WireBody[wire.DetokenizeRequest]):
+    def decode_bytes(self, value: bytes) -> Any:
+        parse_bounded(value)
+        return super().decode_bytes(value)

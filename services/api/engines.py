@@ -9,10 +9,17 @@ a paused or hung engine is down after that many probe timeouts, and every
 request still waiting on it is told at once (`lost(url)`), so it can fail over
 instead of waiting out its read timeout.
 
-Routing order for a request: the session's engine first when it is healthy
-(its memory tier holds the session's state), then every other healthy engine
-by rendezvous hash of the affinity key (session id, else tenant), so a new
-session lands on a stable engine and a failed engine's sessions spread evenly.
+Each engine's served models come from its GET /v1/models, read when it first
+answers /health and again whenever /health reports another model or namespace
+(a restart on another checkpoint); an engine whose /v1/models fails is down
+(a wrong engine token shows here). The last-known models of a down engine are
+kept, so a request for them is a 503 (retry), not a 404 (no such model).
+
+Routing order for a request: only engines serving the requested model; among
+them the session's engine first when it is healthy (its memory tier holds the
+session's state), then every other healthy one by rendezvous hash of the
+affinity key (session id, else tenant), so a new session lands on a stable
+engine and a failed engine's sessions spread evenly.
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ class EngineHealth:
     queue_depth: int = 0
     model: str = ""
     namespace: str = ""
+    # Served models by id, as the engine's /v1/models lists them (kept while it is down).
+    models: dict[str, dict[str, Any]] = field(default_factory=dict)
     # Set when the engine goes down; replaced by a fresh one when it is healthy again.
     lost: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -102,10 +111,30 @@ class EnginePool:
             self._set(e, False, f"/health answered HTTP {r.status_code}")
             return False
         e.queue_depth = int(body.get("queue_depth") or 0)
-        e.model = str(body.get("model") or "")
-        e.namespace = str(body.get("namespace") or "")
+        model, namespace = str(body.get("model") or ""), str(body.get("namespace") or "")
+        if not e.healthy or model != e.model or namespace != e.namespace or model not in e.models:
+            problem = await self._read_models(e)
+            if problem is not None:
+                self._set(e, False, problem)
+                return False
+        e.model, e.namespace = model, namespace
         self._set(e, True, None)
         return True
+
+    async def _read_models(self, e: EngineHealth) -> str | None:
+        """Refreshes `e.models` from the engine's /v1/models; why not, when it fails."""
+        try:
+            r = await self._client.get(f"{e.url}/v1/models", timeout=self._probe_timeout)
+            data = r.json().get("data") if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            return f"/v1/models failed: {type(exc).__name__}: {exc}"
+        if r.status_code != 200:
+            return f"/v1/models answered HTTP {r.status_code} (is KEEPWARM_ENGINE_TOKEN the engines' token?)"
+        cards = {m["id"]: m for m in data or [] if isinstance(m, dict) and isinstance(m.get("id"), str)}
+        if not cards:
+            return "/v1/models lists no model"
+        e.models = cards
+        return None
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(u) for u in self._engines))
@@ -142,9 +171,22 @@ class EnginePool:
         e.healthy = healthy
         e.error = error
 
-    def candidates(self, affinity: str, preferred: str | None = None) -> list[str]:
-        """Healthy engines in the order to try them; empty when none is healthy."""
-        healthy = [u for u, e in self._engines.items() if e.healthy]
+    def served(self) -> dict[str, list[dict[str, Any]]]:
+        """Every model a healthy engine serves, with each such engine's card for it."""
+        out: dict[str, list[dict[str, Any]]] = {}
+        for e in self._engines.values():
+            if e.healthy:
+                for name, card in e.models.items():
+                    out.setdefault(name, []).append(card)
+        return out
+
+    def known(self, model: str) -> bool:
+        """Whether any engine, healthy or not, served `model` when last asked."""
+        return any(model in e.models for e in self._engines.values())
+
+    def candidates(self, affinity: str, preferred: str | None = None, model: str | None = None) -> list[str]:
+        """Healthy engines (serving `model`, when given) in the order to try them; empty when none."""
+        healthy = [u for u, e in self._engines.items() if e.healthy and (model is None or model in e.models)]
         healthy.sort(key=lambda u: _rank(u, affinity))
         if preferred in healthy:
             healthy.remove(preferred)

@@ -15,6 +15,8 @@ from typing import Any
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
+from keepwarm.engine.serving.wire import WireError
+
 log = logging.getLogger("keepwarm.api")
 
 # OpenAI-style `type` per status; anything else is "api_error".
@@ -90,10 +92,15 @@ def handle_exception(request: Request[Any, Any, Any], exc: Exception) -> Respons
     HTTP errors (404, 405, ...) in the same shape, anything else a logged 500."""
     if isinstance(exc, ApiError):
         return exc.response()
+    if isinstance(exc, WireError):  # a body that does not fit its typed model
+        return ApiError(exc.status, str(exc), param=exc.param).response()
     if isinstance(exc, HTTPException):
         detail = exc.detail or "error"
-        if exc.status_code == 404:
-            detail = f"no route for {request.method} {request.url.path}; see /v1/chat/completions, /v1/models, /v1/stats"
+        if exc.status_code == 413:
+            limit = request.route_handler.resolve_request_max_body_size()
+            detail = f"request body exceeds the gateway limit of {limit} bytes (KEEPWARM_MAX_BODY_BYTES); send less"
+        elif exc.status_code == 404:
+            detail = f"no route for {request.method} {request.url.path}; /schema lists the routes"
         elif exc.status_code == 405:
             detail = f"{request.method} is not allowed on {request.url.path}"
         return ApiError(exc.status_code, detail, headers=exc.headers or {}).response()

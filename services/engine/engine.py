@@ -38,6 +38,7 @@ from keepwarm.engine.generation.grammar import (
     apply_token_bitmask_,
     matcher_for,
 )
+from keepwarm.engine.generation.prefill_cost import PrefillCost
 from keepwarm.engine.generation.request import FinishEvent, GenerateRequest, RequestError, Timings, TokenEvent
 from keepwarm.engine.generation.runner import Runner, StepOutput
 from keepwarm.engine.generation.sampling import LogitsRules, Sampler
@@ -125,6 +126,10 @@ class Engine:
             )
             disk.start()
         self.cache = PrefixCache(self.namespace, memory, disk, self._validate)
+        # what prefill costs here (persisted beside the cache): what a restore saved
+        self.prefill_cost = (
+            PrefillCost.for_namespace(cfg.cache_dir, self.namespace) if cfg.cache_dir else PrefillCost(None)
+        )
         self.default_policy: Policy = cfg.policy
         self.stats = EngineStats()
         self.memory = StateMemory(self.backend, self._kv_budget(), cfg.max_context)
@@ -153,8 +158,27 @@ class Engine:
         self.backend.geometry.validate(snap.tensors, snap.position)
 
     def close(self) -> None:
+        self.prefill_cost.save()
         if self.cache.disk is not None:
             self.cache.disk.close()
+
+    def calibrate(self) -> None:
+        """A short warm-up that fits the prefill cost model when none was persisted (so a
+        restarted engine reports what its first restores saved)."""
+        if self.prefill_cost.calibrated:
+            return
+        g = torch.Generator().manual_seed(0)
+        vocab = self.backend.vocab_size
+        for start, n in PrefillCost.calibration_plan(self.cfg.max_context - 1):
+            ids = torch.randint(0, vocab, (start + n,), generator=g)
+            state = self.backend.new_state(start + n)
+            for i in range(0, start, self.cfg.chunk_size):
+                self.backend.prefill(state, ids[i : min(start, i + self.cfg.chunk_size)])
+            t0 = time.perf_counter()
+            for i in range(start, start + n, self.cfg.chunk_size):
+                self.backend.prefill(state, ids[i : min(start + n, i + self.cfg.chunk_size)])
+            self.prefill_cost.record(start, n, time.perf_counter() - t0)
+        self.prefill_cost.save()
 
     # -- request preparation (any thread) -------------------------------------
     def prepare(self, req: GenerateRequest) -> Prompt:
@@ -400,8 +424,8 @@ class Engine:
         n = seq.num_prompt_tokens - seq.restored
         self.stats.prefill_tokens += n
         self.stats.prefill_seconds += seq.prefill_s
-        if seq.restored == 0 and seq.num_preemptions == 0:
-            self.runner.clock.record(seq.num_prompt_tokens, seq.prefill_s)
+        if seq.num_preemptions == 0 and n > 0:
+            self.prefill_cost.record(seq.restored, n, seq.prefill_s)
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> None:
         if seq.num_generated == 0 and seq.request.n > 1 and seq.choice == 0:
@@ -532,7 +556,7 @@ class Engine:
             self.stats.hit_tokens_by_tier[tier] += restored
             self.stats.restore_seconds += seq.restore_s
             self.stats.restore_bytes += hit.num_bytes
-            cold = self.runner.clock.estimate(restored)
+            cold = self.prefill_cost.saved(restored, seq.num_prompt_tokens)
             if cold is not None:
                 saved_s = max(0.0, cold - seq.restore_s)
                 self.stats.prefill_saved_seconds += saved_s

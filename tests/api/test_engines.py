@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from keepwarm.api.engines import EnginePool
-from tests.api.procs import Proc, free_port
+from tests.api.procs import ENGINE_AUTH, Proc, free_port
 
 pytestmark = pytest.mark.anyio
 
@@ -21,7 +21,7 @@ def rank(url: str, affinity: str) -> bytes:
 async def test_probe_and_affinity_order(engine: Proc) -> None:
     port = engine.url.rsplit(":", 1)[1]
     one, two, dead = engine.url, f"http://localhost:{port}", f"http://127.0.0.1:{free_port()}"
-    async with httpx.AsyncClient() as client:
+    async with httpx.AsyncClient(headers=ENGINE_AUTH) as client:
         pool = EnginePool([one, two, dead], client, interval_s=60)
         assert pool.candidates("s") == [] and not pool.any_healthy()  # nothing probed yet
         await pool.probe_all()
@@ -29,6 +29,10 @@ async def test_probe_and_affinity_order(engine: Proc) -> None:
                                  {"url": dead, "healthy": False}]  # fmt: skip
         h = pool.health(one)
         assert (h.model, h.queue_depth, h.error) == ("tiny", 0, None) and len(h.namespace) > 8
+        # The served models, read from /v1/models (with the engine token).
+        assert list(h.models) == ["tiny"] and h.models["tiny"]["max_model_len"] == 512
+        assert list(pool.served()) == ["tiny"] and len(pool.served()["tiny"]) == 2
+        assert pool.candidates("s", model="other") == [] and pool.known("tiny") and not pool.known("other")
         assert pool.health(dead).error.startswith("ConnectError")
         for affinity in ("s1", "s2", "s3", "tenant"):
             expected = sorted([one, two], key=lambda u, a=affinity: rank(u, a))

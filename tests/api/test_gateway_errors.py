@@ -114,10 +114,12 @@ def test_deeply_nested_json_is_400_naming_the_limit(lonely_gateway: Proc, deep: 
     for body in (deep, b'{"messages": [{"role": "user", "content": "x"}], "tools": ' + deep + b"}"):
         err = error_of(chat(lonely_gateway, body), 400)
         assert "nests deeper than 64 levels" in err["message"]
-    # 64 levels are accepted (then refused for want of an engine).
-    ok = b'{"messages": [{"role": "user", "content": "x"}], "x": ' + b"[" * 63 + b"]" * 63 + b"}"
+    # 64 levels are accepted (then refused for want of an engine): body, tools, tool, function,
+    # parameters (5 levels) and 59 nested lists.
+    tool = b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"function": {"name": "f", "parameters": {"x": '
+    ok = tool + b"[" * 59 + b"]" * 59 + b"}}}]}"
     assert chat(lonely_gateway, ok).status_code == 503
-    one_more = b'{"messages": [{"role": "user", "content": "x"}], "x": ' + b"[" * 64 + b"]" * 64 + b"}"
+    one_more = tool + b"[" * 60 + b"]" * 60 + b"}}}]}"
     assert "nests deeper than 64 levels" in error_of(chat(lonely_gateway, one_more), 400)["message"]
 
 

@@ -85,7 +85,7 @@ def test_stack_serves_restarts_what_dies_keeps_sessions_and_ctrl_c_stops_everyth
         h = {"Authorization": f"Bearer {key}", "X-Session-Id": "demo"}
 
         def chat(content: str = "Hello!") -> httpx.Response:
-            body = {"model": "keepwarm", "messages": [{"role": "user", "content": content}], "max_tokens": 8}
+            body = {"model": "default", "messages": [{"role": "user", "content": content}], "max_tokens": 8}
             return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60, headers=h)
 
         r = chat()

@@ -109,11 +109,11 @@ def metric(page: Page, label: str) -> str:
 def test_overview_sessions_and_cache_reflect_two_turns(stack: Stack, page: Page, tmp_path: Path) -> None:
     messages = [{"role": "user", "content": "Tell me a short story about a lighthouse keeper and the sea."}]
     first = stack.gw(
-        "POST", "/v1/chat/completions", json={"model": "demo", "messages": messages, "max_tokens": 8}
+        "POST", "/v1/chat/completions", json={"model": "default", "messages": messages, "max_tokens": 8}
     )
     messages += [first["choices"][0]["message"], {"role": "user", "content": "What happened next?"}]
     second = stack.gw(
-        "POST", "/v1/chat/completions", json={"model": "demo", "messages": messages, "max_tokens": 8}
+        "POST", "/v1/chat/completions", json={"model": "default", "messages": messages, "max_tokens": 8}
     )
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # turn 2 reused turn 1
     stats = stack.gw("GET", "/v1/stats")

@@ -85,7 +85,7 @@ class PrefixCache:
         if self.memory is not None:
             out.update(self.memory.token_counts())
         if self.disk is not None:
-            out.update(e.tokens for e in self.disk.entries() if e.namespace == self.namespace)
+            out.update(self.disk.known_lengths())
         return out
 
     def find(

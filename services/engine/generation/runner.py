@@ -1,48 +1,16 @@
-"""Runs one step's batch through the backend, and keeps what cold prefill costs on
-this machine (to say what a restore saved)."""
+"""Runs one step's batch through the backend: the tokens each scheduled sequence
+feeds, as one batched forward."""
 
 from __future__ import annotations
 
-import bisect
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from keepwarm.engine.generation.scheduler import Scheduled
 from keepwarm.engine.models.backend import Backend
-
-
-@dataclass
-class PrefillClock:
-    """Measured cold prefills (started at position 0): num_tokens -> seconds.
-    Estimates the cold prefill time of n tokens from the nearest measurement,
-    scaled linearly (what a restore of n tokens saved)."""
-
-    sizes: list[int] = field(default_factory=list)
-    seconds: list[float] = field(default_factory=list)
-
-    def record(self, num_tokens: int, seconds: float) -> None:
-        if num_tokens < 16:  # too short to say anything about throughput
-            return
-        i = bisect.bisect_left(self.sizes, num_tokens)
-        if i < len(self.sizes) and self.sizes[i] == num_tokens:
-            self.seconds[i] = 0.5 * (self.seconds[i] + seconds)
-        else:
-            self.sizes.insert(i, num_tokens)
-            self.seconds.insert(i, seconds)
-        if len(self.sizes) > 64:  # keep a spread: drop every other middle point
-            del self.sizes[1:-1:2], self.seconds[1:-1:2]
-
-    def estimate(self, num_tokens: int) -> float | None:
-        if not self.sizes:
-            return None
-        i = bisect.bisect_left(self.sizes, num_tokens)
-        j = min(
-            range(max(0, i - 1), min(len(self.sizes), i + 1)), key=lambda k: abs(self.sizes[k] - num_tokens)
-        )
-        return self.seconds[j] * num_tokens / self.sizes[j]
 
 
 @dataclass(frozen=True)
@@ -55,7 +23,6 @@ class StepOutput:
 class Runner:
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
-        self.clock = PrefillClock()
 
     def run(self, batch: Sequence[Scheduled]) -> StepOutput:
         """One forward over every entry that feeds tokens; entries with 0 tokens take the

@@ -13,7 +13,13 @@ from typing import Any
 
 from keepwarm.engine.cache.policy import Policy, PolicyError, policy_for_request
 from keepwarm.engine.cache.prefix_cache import SessionHint
-from keepwarm.engine.generation.request import Constraint, FinishEvent, GenerateRequest, RequestError
+from keepwarm.engine.generation.request import (
+    Constraint,
+    FinishEvent,
+    GenerateRequest,
+    RequestError,
+    TokenEvent,
+)
 from keepwarm.engine.generation.sampling import SamplingError, SamplingParams
 from keepwarm.engine.serving import wire
 from keepwarm.engine.serving.reasoning import ReasoningParser
@@ -21,10 +27,7 @@ from keepwarm.engine.serving.tool_calls import ParsedToolCall, ToolCallParser
 
 # Request fields whose effect lives in the batched sampler, which does not implement them yet:
 # any value but the neutral one is refused (400 naming the field). Remove a name once it is honoured.
-SAMPLER_PENDING = frozenset(
-    {"n", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
-     "logit_bias", "response_format", "tool_choice"}
-)  # fmt: skip
+SAMPLER_PENDING: frozenset[str] = frozenset()  # every sampler feature is implemented
 
 
 @dataclass(frozen=True)
@@ -74,14 +77,14 @@ def _refuse_pending(body: Any, names: tuple[str, ...]) -> None:
         "logit_bias": (None,),
     }
     for name in names:
-        if name not in SAMPLER_PENDING or name not in neutral:
+        if name not in neutral:
             continue
         value = getattr(body, name, None)
         if value in neutral[name] or (name == "logit_bias" and value == {}):
             continue
         raise RequestError(
-            f"{name} is not supported by this engine yet (the sampler does not implement it); "
-            f"remove it or send its default",
+            f"{name} is not supported on /v1/completions; use /v1/chat/completions, "
+            f"or remove it or send its default",
             param=name,
         )
 
@@ -226,6 +229,14 @@ def _constraint(body: wire.ChatCompletionRequest, tools: tuple[dict[str, Any], .
     return chosen
 
 
+def _sampler_fields(body: Any) -> dict[str, float]:
+    return {
+        "presence_penalty": body.presence_penalty or 0.0,
+        "frequency_penalty": body.frequency_penalty or 0.0,
+        "repetition_penalty": 1.0 if body.repetition_penalty is None else body.repetition_penalty,
+    }
+
+
 def parse_chat_request(
     raw: bytes | wire.ChatCompletionRequest,
     max_tokens_limit: int,
@@ -249,8 +260,6 @@ def parse_chat_request(
     )
     if body.top_logprobs and not body.logprobs:
         raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
-    _refuse_pending(body, ("n", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
-                           "repetition_penalty", "logit_bias"))  # fmt: skip
     stream, include_usage = _stream_flags(body)
     messages = tuple(_message_dict(i, m) for i, m in enumerate(body.messages))
     tools = tuple(
@@ -272,6 +281,10 @@ def parse_chat_request(
         constraint=constraint,
         parallel_tool_calls=body.parallel_tool_calls is not False,
         logit_bias=tuple((_token_id(k), float(v)) for k, v in (body.logit_bias or {}).items()),
+        **_sampler_fields(body),
+        n=body.n or 1,
+        logprobs=bool(body.logprobs),
+        top_logprobs=body.top_logprobs or 0,
     )
     return ChatCall(
         request=req,
@@ -305,8 +318,7 @@ def parse_completion_request(
     bytes or already decoded."""
     body = raw if isinstance(raw, wire.CompletionRequest) else _wire(raw, wire.CompletionRequest)
     max_tokens = _max_tokens(body.max_tokens, "max_tokens", max_tokens_limit, 16)  # OpenAI's default
-    _refuse_pending(body, ("n", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                           "logit_bias"))  # fmt: skip
+    _refuse_pending(body, ("n", "logprobs"))
     stream, include_usage = _stream_flags(body)
     policy, salt, hint = _cache_fields(body, default_policy, trusted)
     text = body.prompt if isinstance(body.prompt, str) else None
@@ -318,6 +330,8 @@ def parse_completion_request(
         policy=policy,
         cache_salt=salt,
         session_hint=hint,
+        logit_bias=tuple((_token_id(k), float(v)) for k, v in (body.logit_bias or {}).items()),
+        **_sampler_fields(body),
     )
     return CompletionCall(request=req, stream=stream, include_usage=include_usage, prompt_text=text)
 
@@ -413,64 +427,160 @@ def keepwarm_info(ev: FinishEvent, namespace: str) -> wire.KeepwarmInfo:
     return wire.KeepwarmInfo(prefix_key=ev.prefix_key, prefix_tokens=ev.prefix_tokens, namespace=namespace)
 
 
+class LogprobWriter:
+    """TokenEvents' log probabilities in OpenAI's shape (token text and its UTF-8 bytes)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def _text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def entry(self, ev: TokenEvent) -> wire.TokenLogprob:
+        assert ev.logprob is not None
+        text = self._text(ev.token_id)
+        return wire.TokenLogprob(
+            token=text,
+            logprob=ev.logprob,
+            bytes=list(text.encode()),
+            top_logprobs=[
+                wire.TopLogprob(token=(t := self._text(i)), logprob=lp, bytes=list(t.encode()))
+                for i, lp in ev.top_logprobs
+            ],
+        )
+
+
+def total_usage(finishes: list[FinishEvent]) -> wire.Usage:
+    """Usage of a request: the prompt once, every choice's completion tokens."""
+    first = min(finishes, key=lambda f: f.index)
+    completion = sum(f.completion_tokens for f in finishes)
+    return wire.Usage(
+        prompt_tokens=first.prompt_tokens,
+        completion_tokens=completion,
+        total_tokens=first.prompt_tokens + completion,
+        prompt_tokens_details=wire.PromptTokensDetails(cached_tokens=first.cached_tokens),
+        timings=first.timings.as_dict(),
+    )
+
+
 def completion_body(
-    rid: str, model: str, ev: FinishEvent, namespace: str, shape: ReplyShape | None = None
+    rid: str,
+    model: str,
+    ev: FinishEvent | list[FinishEvent],
+    namespace: str,
+    shape: ReplyShape | None = None,
+    tokens: dict[int, list[TokenEvent]] | None = None,
+    logprobs: LogprobWriter | None = None,
 ) -> bytes:
-    """The non-streaming chat completion for a finished reply."""
-    parser = ReplyParser(shape or ReplyShape())
-    parser.feed(ev.text)
-    parser.finish()
+    """The non-streaming chat completion for finished replies (one per choice); `tokens`
+    with `logprobs`: each choice's token events, for its `logprobs`."""
+    finishes = sorted(ev if isinstance(ev, list) else [ev], key=lambda f: f.index)
+    choices = []
+    for fin in finishes:
+        parser = ReplyParser(shape or ReplyShape())
+        parser.feed(fin.text)
+        parser.finish()
+        lps = None
+        if logprobs is not None and tokens is not None:
+            lps = wire.ChoiceLogprobs(
+                content=[logprobs.entry(t) for t in tokens.get(fin.index, []) if t.logprob is not None]
+            )
+        choices.append(
+            wire.Choice(
+                index=fin.index,
+                message=parser.message(),
+                finish_reason=parser.finish_reason(fin.finish_reason),
+                logprobs=lps,
+            )
+        )
+    first = finishes[0]
     body = wire.ChatCompletion(
         id=rid,
         created=int(time.time()),
         model=model,
-        choices=[
-            wire.Choice(
-                index=0, message=parser.message(), finish_reason=parser.finish_reason(ev.finish_reason)
-            )
-        ],
-        usage=usage(ev),
-        keepwarm=keepwarm_info(ev, namespace),
+        choices=choices,
+        usage=total_usage(finishes),
+        keepwarm=keepwarm_info(first, namespace),
     )
     return wire.encode(body)
 
 
 class ChunkWriter:
-    """The SSE chunks of one streamed chat completion, in OpenAI's order: a role chunk,
-    content / reasoning / tool-call deltas, the finish chunk, then — only when the client
-    asked with stream_options.include_usage — one chunk with `choices: []` and the usage."""
+    """The SSE chunks of one streamed chat completion, in OpenAI's order: a role chunk per
+    choice, content / reasoning / tool-call deltas, each choice's finish chunk, then — only
+    when the client asked with stream_options.include_usage — one chunk with `choices: []`
+    and the usage of all choices."""
 
-    def __init__(self, rid: str, model: str, shape: ReplyShape, include_usage: bool) -> None:
+    def __init__(
+        self,
+        rid: str,
+        model: str,
+        shape: ReplyShape,
+        include_usage: bool,
+        num_choices: int = 1,
+        logprobs: LogprobWriter | None = None,
+    ) -> None:
         self.rid = rid
         self.model = model
         self.created = int(time.time())
         self.include_usage = include_usage
-        self.parser = ReplyParser(shape)
+        self.parsers = [ReplyParser(shape) for _ in range(num_choices)]
+        self.parser = self.parsers[0]
+        self.logprobs = logprobs
+        self.finishes: list[FinishEvent] = []
+        self.pending: dict[int, list[wire.TokenLogprob]] = {}  # logprobs of text not sent yet
 
-    def _chunk(self, delta: wire.Delta, finish: str | None = None) -> bytes:
+    def _chunk(self, delta: wire.Delta, finish: str | None = None, index: int = 0) -> bytes:
+        lps = self.pending.pop(index, None)
         return wire.encode(
             wire.ChatCompletionChunk(
                 id=self.rid,
                 created=self.created,
                 model=self.model,
-                choices=[wire.ChunkChoice(index=0, delta=delta, finish_reason=finish)],
+                choices=[
+                    wire.ChunkChoice(
+                        index=index,
+                        delta=delta,
+                        finish_reason=finish,
+                        logprobs=wire.ChoiceLogprobs(content=lps) if lps else None,
+                    )
+                ],
             )
         )
 
     def start(self) -> bytes:
+        """The role chunk of choice 0."""
         return self._chunk(wire.Delta(role="assistant", content=""))
+
+    def starts(self) -> list[bytes]:
+        """The role chunk of every choice."""
+        return [
+            self._chunk(wire.Delta(role="assistant", content=""), index=i) for i in range(len(self.parsers))
+        ]
+
+    def token(self, ev: TokenEvent) -> bytes | None:
+        if self.logprobs is not None and ev.logprob is not None:
+            self.pending.setdefault(ev.index, []).append(self.logprobs.entry(ev))
+        if not ev.text:
+            return None
+        delta = self.parsers[ev.index].feed(ev.text)
+        return self._chunk(delta, index=ev.index) if delta is not None else None
 
     def text(self, text: str) -> bytes | None:
         delta = self.parser.feed(text)
         return self._chunk(delta) if delta is not None else None
 
     def finish(self, ev: FinishEvent, namespace: str) -> list[bytes]:
+        """The chunks that end choice `ev.index`; after the last choice, the usage chunk."""
         out = []
-        delta = self.parser.finish()
+        parser = self.parsers[ev.index]
+        delta = parser.finish()
         if delta is not None:
-            out.append(self._chunk(delta))
-        out.append(self._chunk(wire.Delta(), self.parser.finish_reason(ev.finish_reason)))
-        if self.include_usage:
+            out.append(self._chunk(delta, index=ev.index))
+        out.append(self._chunk(wire.Delta(), parser.finish_reason(ev.finish_reason), index=ev.index))
+        self.finishes.append(ev)
+        if self.include_usage and len(self.finishes) == len(self.parsers):
+            first = min(self.finishes, key=lambda f: f.index)
             out.append(
                 wire.encode(
                     wire.ChatCompletionChunk(
@@ -478,12 +588,16 @@ class ChunkWriter:
                         created=self.created,
                         model=self.model,
                         choices=[],
-                        usage=usage(ev),
-                        keepwarm=keepwarm_info(ev, namespace),
+                        usage=total_usage(self.finishes),
+                        keepwarm=keepwarm_info(first, namespace),
                     )
                 )
             )
         return out
+
+    @property
+    def done(self) -> bool:
+        return len(self.finishes) == len(self.parsers)
 
 
 def text_completion_body(rid: str, model: str, ev: FinishEvent, namespace: str) -> bytes:

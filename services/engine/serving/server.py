@@ -26,6 +26,7 @@ from keepwarm.engine.serving import wire
 from keepwarm.engine.serving.drain_rate import DrainRate
 from keepwarm.engine.serving.openai_format import (
     ChunkWriter,
+    LogprobWriter,
     ReplyShape,
     completion_body,
     error_body,
@@ -127,6 +128,34 @@ class EngineCollector:
             for reason, n in ds.rejected_by_reason.items():
                 rejected.add_metric([reason], n)
             yield rejected
+            yield CounterMetricFamily(
+                "keepwarm_disk_cache_refused_for_space",
+                "Saves not stored for lack of budget or free disk",
+                value=ds.refused_for_space,
+            )
+            yield CounterMetricFamily(
+                "keepwarm_disk_cache_enospc", "Writes that hit a full disk", value=ds.enospc
+            )
+            yield CounterMetricFamily(
+                "keepwarm_disk_cache_garbage_rows", "Index rows dropped as damaged", value=ds.garbage_rows
+            )
+            foreign = CounterMetricFamily(
+                "keepwarm_disk_cache_foreign_files",
+                "Folder entries skipped as not the cache's",
+                labels=["kind"],
+            )
+            for kind, n in ds.foreign_by_kind.items():
+                foreign.add_metric([kind], n)
+            yield foreign
+            errors = CounterMetricFamily(
+                "keepwarm_disk_cache_errors", "Errors the writer thread or index survived", labels=["kind"]
+            )
+            for kind, n in ds.errors_by_kind.items():
+                errors.add_metric([kind], n)
+            yield errors
+            yield GaugeMetricFamily(
+                "keepwarm_disk_cache_min_free_bytes", "Free-space floor in force", value=ds.min_free_bytes
+            )
 
 
 def _sse(obj: dict[str, Any] | str | bytes) -> bytes:
@@ -254,15 +283,18 @@ def create_app(engine: Engine, cfg: EngineConfig) -> Litestar:
         if worker.depth == 0:
             drain.busy()
         job = worker.submit(req, prompt)
+        logprobs = LogprobWriter(engine.tokenizer) if req.logprobs else None
         if not call.stream:
-            ev = await _complete(job, request)
-            if ev is None:
+            got = await _complete(job, request, _collect(job, req.n))
+            if got is None:
                 return Response(content=b"", status_code=499)
+            finishes, tokens = got
             return Response(
-                completion_body(rid, model_id, ev, engine.namespace, shape), media_type="application/json"
+                completion_body(rid, model_id, finishes, engine.namespace, shape, tokens, logprobs),
+                media_type="application/json",
             )
         return Stream(
-            _stream(job, ChunkWriter(rid, model_id, shape, call.include_usage)),
+            _stream(job, ChunkWriter(rid, model_id, shape, call.include_usage, req.n, logprobs)),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -352,9 +384,24 @@ def create_app(engine: Engine, cfg: EngineConfig) -> Litestar:
             raise RequestError(f"token ids must be below {engine.tokenizer.vocab_size}", param="tokens")
         return wire.DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens, skip_special_tokens=False))
 
-    async def _complete(job: Job, request: Request[Any, Any, Any]) -> FinishEvent | None:
-        """Wait for the finish event; a client that disconnects first cancels the job."""
-        answer = asyncio.ensure_future(_finish_of(job))
+    async def _collect(job: Job, num_choices: int) -> tuple[list[FinishEvent], dict[int, list[TokenEvent]]]:
+        """Every choice's finish event and token events."""
+        finishes: list[FinishEvent] = []
+        tokens: dict[int, list[TokenEvent]] = {}
+        while len(finishes) < num_choices:
+            ev = await next_event(job)
+            if isinstance(ev, FinishEvent):
+                finishes.append(ev)
+            elif isinstance(ev, TokenEvent):
+                tokens.setdefault(ev.index, []).append(ev)
+            elif ev is None:
+                raise RuntimeError("generation ended without a finish event")
+        return finishes, tokens
+
+    async def _complete(job: Job, request: Request[Any, Any, Any], waiting: Any = None) -> Any:
+        """Wait for the answer (`waiting`, by default the finish event); a client that
+        disconnects first cancels the job (None)."""
+        answer = asyncio.ensure_future(waiting if waiting is not None else _finish_of(job))
         gone = asyncio.ensure_future(_until_disconnect(request))
         try:
             await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -377,7 +424,8 @@ def create_app(engine: Engine, cfg: EngineConfig) -> Litestar:
 
     async def _stream(job: Job, out: ChunkWriter) -> AsyncIterator[bytes]:
         try:
-            yield _sse(out.start())
+            for chunk in out.starts():
+                yield _sse(chunk)
             while True:
                 try:
                     ev = await asyncio.wait_for(next_event(job), timeout=cfg.keepalive_s)
@@ -390,14 +438,15 @@ def create_app(engine: Engine, cfg: EngineConfig) -> Litestar:
                 if ev is None:
                     break
                 if isinstance(ev, TokenEvent):
-                    chunk = out.text(ev.text) if ev.text else None
+                    chunk = out.token(ev)
                     if chunk is not None:
                         yield _sse(chunk)
                 elif isinstance(ev, FinishEvent):
                     for chunk in out.finish(ev, engine.namespace):
                         yield _sse(chunk)
-                    yield _sse("[DONE]")
-                    break
+                    if out.done:
+                        yield _sse("[DONE]")
+                        break
         finally:
             job.cancelled.set()
 
@@ -531,8 +580,6 @@ def _cache_info(engine: Engine, limit: int) -> dict[str, Any]:
     if disk is not None:
         stats["disk"] = {
             **asdict(disk.stats()),
-            "budget_bytes": engine.cfg.disk_budget,
-            "min_free_bytes": engine.cfg.min_free_disk,
             "path": str(engine.cfg.cache_dir),
             "free_bytes": shutil.disk_usage(disk.root).free,
         }
@@ -563,6 +610,7 @@ def serve(cfg: EngineConfig) -> None:
     import uvicorn
 
     engine = Engine(cfg)
+    engine.calibrate()  # a short warm-up, only when no prefill cost model was persisted
     app = create_app(engine, cfg)
     print(
         f"keepwarm engine: {cfg.served_name} on http://{cfg.host}:{cfg.port} "

@@ -361,11 +361,31 @@ class AssistantMessage(Struct):
     tool_calls: list[ToolCallOut] | UnsetType = UNSET
 
 
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(Struct):
+    """`logprobs` of a choice: one entry per generated token (log-softmax of the model's
+    float32 logits, before penalties, bias or grammar masks)."""
+
+    content: list[TokenLogprob]
+
+
 class Choice(Struct):
     index: int
     message: AssistantMessage
     finish_reason: str
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletion(Struct):
@@ -401,7 +421,7 @@ class ChunkChoice(Struct):
     index: int
     delta: Delta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(Struct):

@@ -59,12 +59,17 @@ class Worker:
         """Queue a request; raises QueueFull when the waiting queue is full."""
         job = Job(request, prompt, asyncio.get_running_loop())
 
+        finishes = 0
+
         def deliver(ev: Event) -> None:
+            nonlocal finishes
             if self.on_event is not None:
                 self.on_event(ev)
             job.push(ev)
             if isinstance(ev, FinishEvent):
-                job.push(None)
+                finishes += 1
+                if finishes == request.n:  # every choice has ended
+                    job.push(None)
 
         job.seq = self.engine.submit(request, deliver, job.cancelled.is_set, prompt)
         self.jobs[job.seq.seq_id] = job

@@ -616,3 +616,43 @@ def test_bad_config_messages(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="key"):
         c.load("../../etc", [1], VALIDATE)
     c.close()
+
+
+def _flush_or_fail(c: DiskCache) -> None:
+    t = threading.Thread(target=c.flush, daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "the writer thread died: saves are never written"
+
+
+def test_the_writer_thread_survives_any_error_logged_once_and_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    c = open_cache(tmp_path, refresh_s=0.01)
+    real_publish = disk_cache_module.publish
+
+    def broken_publish(*a: object, **kw: object) -> int | None:
+        raise OSError(5, "Input/output error")
+
+    def broken_scan() -> None:
+        raise RuntimeError("scan failed")
+
+    with caplog.at_level("WARNING", logger="keepwarm.engine.cache.disk_cache"):
+        monkeypatch.setattr(disk_cache_module, "publish", broken_publish)
+        monkeypatch.setattr(c, "_scan", broken_scan)  # the idle upkeep fails too
+        for i in range(3):
+            assert c.save(key_of(toks(i)), toks(i), make_snapshot(8, seed=i))
+            _flush_or_fail(c)
+        time.sleep(0.1)  # several idle upkeeps, each failing
+        monkeypatch.setattr(disk_cache_module, "publish", real_publish)
+        assert c.save(key_of(toks(7)), toks(7), make_snapshot(8, seed=7))
+        _flush_or_fail(c)
+        k = key_of(toks(7))
+    assert c.load(k, toks(7), VALIDATE) is not None  # the tier keeps working
+    s = c.stats()
+    assert (s.write_errors, s.errors_by_kind["write:OSError"], s.saves) == (3, 3, 1)
+    assert s.errors_by_kind["reconcile:RuntimeError"] >= 2
+    tracebacks = [r for r in caplog.records if r.exc_info]
+    assert len(tracebacks) == 2  # one per kind of error, not one per failure
+    assert not any(c.contains(key_of(toks(i))) for i in range(3))  # failed writes hold no reservation
+    c.close()

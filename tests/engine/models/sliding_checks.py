@@ -160,6 +160,7 @@ from keepwarm.engine.cache.snapshot_file import read_snapshot
 from keepwarm.engine.loading.checkpoint import open_checkpoint
 from keepwarm.engine.models import build_backend
 from keepwarm.kernels.ops import TORCH_OPS
+torch.set_num_threads({torch.get_num_threads()})  # the same reduction order as this process
 b = build_backend(open_checkpoint({str(model_dir)!r}), torch.device("cpu"), torch.float32, TORCH_OPS)
 toks, bounds, files, follow = {toks.tolist()!r}, {bounds!r}, {dict((k, str(v)) for k, v in files.items())!r}, {follow!r}
 out = {{}}

@@ -45,16 +45,11 @@ def refused(body: dict[str, Any]) -> RequestError:
 @pytest.mark.parametrize(
     "extra,param,words",
     [
-        ({"logprobs": True}, "logprobs", "not supported by this engine yet"),
         ({"top_logprobs": 2}, "top_logprobs", "needs logprobs"),
-        ({"n": 2}, "n", "not supported by this engine yet"),
-        ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
         ({"frequency_penalty": 3}, "frequency_penalty", "<= 2"),
-        ({"logit_bias": {"5": 10}}, "logit_bias", "not supported"),
-        ({"response_format": {"type": "json_object"}}, "response_format", "constrained decoding"),
         ({"response_format": {"type": "xml"}}, "response_format.type", "one of text, json_object, json_schema"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
-         "tool_choice", "constrained decoding"),
+        ({"logit_bias": {"x5": 10}}, "logit_bias", "token ids"),
+        ({"n": 0}, "n", ">= 1"),
         ({"tool_choice": "auto"}, "tool_choice", "needs a non-empty tools list"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}],
           "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice.function.name", "not in tools"),
@@ -80,6 +75,22 @@ def refused(body: dict[str, Any]) -> RequestError:
 def test_fields_refused_with_a_400_naming_them(extra: dict[str, Any], param: str, words: str) -> None:
     err = refused({"messages": USER, **extra})
     assert err.param == param and err.status == 400 and words in str(err), str(err)
+
+
+def test_sampler_fields_reach_the_request() -> None:
+    call = parse({
+        "messages": USER, "n": 3, "logprobs": True, "top_logprobs": 2, "presence_penalty": 0.5,
+        "frequency_penalty": -1, "repetition_penalty": 1.2, "logit_bias": {"5": 10},
+        "response_format": {"type": "json_object"},
+    })  # fmt: skip
+    req = call.request
+    assert (req.n, req.logprobs, req.top_logprobs) == (3, True, 2)
+    assert (req.presence_penalty, req.frequency_penalty, req.repetition_penalty) == (0.5, -1, 1.2)
+    assert req.logit_bias == ((5, 10.0),) and req.constraint is not None
+    assert req.constraint.kind == "json_object"
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    forced = parse({"messages": USER, "tools": tools, "tool_choice": "required"}).request
+    assert forced.constraint is not None and forced.constraint.kind == "tool_required"
 
 
 def test_fields_honoured() -> None:
@@ -206,7 +217,7 @@ def client(engine: Proc) -> openai.OpenAI:
 
 
 def test_openai_client_stream_has_no_usage_chunk_unless_asked(client: openai.OpenAI) -> None:
-    kw: dict[str, Any] = {"model": "tiny", "messages": USER, "max_tokens": 4, "temperature": 0}
+    kw: dict[str, Any] = {"model": "tiny-dense", "messages": USER, "max_tokens": 4, "temperature": 0}
     plain = list(client.chat.completions.create(stream=True, **kw))
     assert plain and all(c.choices for c in plain) and all(c.usage is None for c in plain)
     assert plain[0].choices[0].delta.role == "assistant" and plain[-1].choices[0].finish_reason in (
@@ -223,12 +234,32 @@ def test_openai_client_stream_has_no_usage_chunk_unless_asked(client: openai.Ope
 
 
 def test_openai_client_errors_name_the_field(client: openai.OpenAI) -> None:
-    for kw, param in [({"logprobs": True}, "logprobs"), ({"n": 3}, "n"),
-                      ({"response_format": {"type": "json_object"}}, "response_format"),
+    for kw, param in [({"top_logprobs": 2}, "top_logprobs"), ({"n": 0}, "n"),
+                      ({"response_format": {"type": "xml"}}, "response_format.type"),
                       ({"extra_body": {"colour": "red"}}, "colour")]:  # fmt: skip
         with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(model="tiny", messages=USER, max_tokens=2, **kw)
+            client.chat.completions.create(model="tiny-dense", messages=USER, max_tokens=2, **kw)
         assert e.value.status_code == 400 and e.value.body["param"] == param
+
+
+def test_openai_client_n_logprobs_and_json(client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = {"model": "tiny-dense", "messages": USER, "max_tokens": 6}
+    a = client.chat.completions.create(n=3, seed=9, temperature=0.9, logprobs=True, **kw)
+    b = client.chat.completions.create(n=3, seed=9, temperature=0.9, **kw)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+    assert a.usage.completion_tokens == sum(len(c.logprobs.content) for c in a.choices)  # every choice counted
+    greedy = client.chat.completions.create(logprobs=True, top_logprobs=3, temperature=0, **kw)
+    content = greedy.choices[0].logprobs.content
+    assert len(content) == greedy.usage.completion_tokens
+    for entry in content:  # greedy picks the most likely token; log probabilities are <= 0, best first
+        assert entry.top_logprobs[0].logprob == entry.logprob <= 0
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+    streamed = list(client.chat.completions.create(n=2, seed=3, temperature=1.0, stream=True, **kw))
+    assert {c.choices[0].index for c in streamed if c.choices} == {0, 1}
+    j = client.chat.completions.create(response_format={"type": "json_object"}, temperature=1.0, seed=1,
+                                       **{**kw, "max_tokens": 200})  # fmt: skip
+    assert j.choices[0].finish_reason == "stop" and isinstance(json.loads(j.choices[0].message.content), dict)
 
 
 def test_tool_round_trip_input_renders_and_answers(client: openai.OpenAI, engine: Proc) -> None:
@@ -254,7 +285,7 @@ def test_tool_round_trip_input_renders_and_answers(client: openai.OpenAI, engine
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": -3}'},
     ]  # fmt: skip
     for stream in (False, True):
-        r = client.chat.completions.create(model="tiny", messages=messages, tools=tools, max_tokens=4,
+        r = client.chat.completions.create(model="tiny-dense", messages=messages, tools=tools, max_tokens=4,
                                            temperature=0, stream=stream)  # fmt: skip
         if stream:
             chunks = list(r)
@@ -269,7 +300,7 @@ def test_tool_round_trip_input_renders_and_answers(client: openai.OpenAI, engine
     )
     assert '"name": "get_weather", "description": "Weather for a city"' in text
     full = client.chat.completions.create(
-        model="tiny", messages=messages, tools=tools, max_tokens=2, temperature=0
+        model="tiny-dense", messages=messages, tools=tools, max_tokens=2, temperature=0
     )
     assert full.usage.prompt_tokens == toks["count"]
 
@@ -284,17 +315,21 @@ def test_tokenize_detokenize_and_completions(client: openai.OpenAI, engine: Proc
     both = httpx.post(engine.url + "/tokenize", json={"prompt": "x", "messages": USER})
     assert both.status_code == 400 and both.json()["error"]["param"] == "prompt"
 
-    by_text = client.completions.create(model="tiny", prompt="The river ran", max_tokens=4, temperature=0)
-    by_ids = client.completions.create(model="tiny", prompt=t["tokens"][:3], max_tokens=4, temperature=0)
+    by_text = client.completions.create(
+        model="tiny-dense", prompt="The river ran", max_tokens=4, temperature=0
+    )
+    by_ids = client.completions.create(
+        model="tiny-dense", prompt=t["tokens"][:3], max_tokens=4, temperature=0
+    )
     same = client.completions.create(
-        model="tiny",
+        model="tiny-dense",
         prompt=httpx.post(engine.url + "/tokenize", json={"prompt": "The river ran"}).json()["tokens"],
         max_tokens=4,
         temperature=0,
     )
     assert by_text.object == "text_completion" and by_text.choices[0].text == same.choices[0].text
     assert by_text.usage.prompt_tokens == same.usage.prompt_tokens and by_ids.usage.prompt_tokens == 3
-    streamed = list(client.completions.create(model="tiny", prompt="The river ran", max_tokens=4, temperature=0,
+    streamed = list(client.completions.create(model="tiny-dense", prompt="The river ran", max_tokens=4, temperature=0,
                                               stream=True))  # fmt: skip
     assert "".join(c.choices[0].text for c in streamed if c.choices) == by_text.choices[0].text
     assert all(c.choices for c in streamed)
