@@ -1,14 +1,18 @@
-"""A fast CPU bf16 matrix-vector product for decode, with torch as the fallback.
+"""A batch-invariant CPU matrix product (bf16 and fp32, any row count), with torch as the fallback.
 
-Decode multiplies 1..few token rows by every weight matrix; torch's bf16 GEMM at M=1 reads
-weights far below DRAM bandwidth. `linear(x, weight, bias)` is a drop-in for
-`torch.nn.functional.linear` that routes the decode shape to a C++ AVX512-BF16 kernel
-(kernels/csrc/cpu_linear.cpp) and everything else to torch:
+`linear(x, weight, bias)` is a drop-in for `torch.nn.functional.linear` whose every output
+is reduced over K in one fixed order whatever the number of rows M (decode step, prefill
+chunk of any size, batch of any composition): a token's row is the same bits alone or in a
+batch, so a prefix restored from the cache computes exactly like the uncached prefill.
+torch's own product cannot promise that (oneDNN's bf16 GEMM changes its per-row order past
+some M; fp32 differs between 1 and 2 rows). The C++ kernel (kernels/csrc/cpu_linear.cpp)
+has a streaming path for M <= STREAM_ROWS (decode: bound by DRAM) and a register-tiled path
+above (prefill: bound by arithmetic), giving identical bits.
 
-  fast path when: the extension loaded (CPU has avx512_bf16 and the build succeeded),
-  x and weight are bf16 on CPU, weight is contiguous [N, K], x has <= MAX_TOKENS rows
-  (all leading dims flattened), bias is None or a [N] bf16 CPU tensor, and no
-  autograd graph is being recorded through x, weight or bias.
+  kernel when: the extension loaded (CPU has avx512_bf16 and the build succeeded), x and
+  weight share a dtype, bf16 or fp32, on CPU, weight is contiguous [N, K], x has >= 1 row
+  (leading dims flattened), bias is None or a [N] CPU tensor of that dtype, and no autograd
+  graph is being recorded through x, weight or bias. Otherwise torch (not invariant).
 
 The extension is compiled at first use with torch.utils.cpp_extension (needs a C++ compiler
 and `ninja`; the build is cached under torch's extension folder). Any failure logs one
@@ -32,11 +36,13 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_linear.cpp"
 EXTENSION_NAME = "keepwarm_cpu_linear"
-MAX_TOKENS = 16  # token rows per call (kMaxTokens in C++): decode steps of up to 16 sequences
+STREAM_ROWS = 16  # rows up to which the streaming (decode) path runs (kStreamRows in C++)
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 # Explicit ISA flags rather than -march=native: a cached build must not use instructions the
 # runtime check did not verify.
-CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp")
+# -ffp-contract=off: no compiler-chosen fused multiply-adds, whose use could differ between
+# the template instances that compute the same row in different paths.
+CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-ffp-contract=off", "-fopenmp")
 # torch ships libgomp.so.1 and has it loaded already; linking against the same soname makes
 # the kernel share torch's OpenMP pool (and its thread count) instead of starting a second.
 LDFLAGS = ("-fopenmp",)
@@ -98,15 +104,17 @@ class CpuLinear:
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
         out_dtype: torch.dtype | None = None,
+        force_tiled: bool = False,
     ) -> torch.Tensor:
         """F.linear(x, weight, bias): x [..., K], weight [N, K], bias [N] -> [..., N].
 
         `out_dtype=torch.float32` returns the kernel's fp32 sums unrounded (on the fallback,
-        torch's result cast to fp32); None keeps torch's result dtype (bf16 for bf16 inputs)."""
+        torch's result cast to fp32); None keeps torch's result dtype (bf16 for bf16 inputs).
+        `force_tiled` runs the prefill path whatever M (tests: both paths agree bitwise)."""
         if out_dtype is not None and out_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"out_dtype must be None, torch.bfloat16 or torch.float32, not {out_dtype}")
         if self.ext is not None:
-            y = self.ext.try_linear(x, weight, bias, out_dtype == torch.float32)
+            y = self.ext.try_linear(x, weight, bias, out_dtype == torch.float32, force_tiled)
             if y is not None:
                 return y
         y = F.linear(x, weight, bias)
@@ -148,7 +156,7 @@ def default() -> CpuLinear:
 
 
 def available() -> bool:
-    """True when the C++ kernel is loaded and `linear` uses it for decode shapes."""
+    """True when the C++ kernel is loaded and `linear` uses it for bf16/fp32 inputs."""
     return default().available()
 
 
@@ -158,5 +166,5 @@ def linear(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Drop-in for F.linear(x, weight, bias); the AVX512-BF16 kernel for bf16 decode shapes."""
+    """Drop-in for F.linear(x, weight, bias); the invariant kernel for bf16/fp32 inputs."""
     return default()(x, weight, bias, out_dtype)

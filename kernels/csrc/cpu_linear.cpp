@@ -1,19 +1,26 @@
-// bf16 matrix-vector product for CPU decode: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]).
+// CPU matrix product y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for bf16 and fp32, any M,
+// with ONE per-output reduction order for every M (batch- and chunk-invariant).
 //
-// Decode multiplies one (or a few) token rows by every weight matrix, so the product is
-// bound by how fast the weights stream from DRAM, not by arithmetic. This kernel reads each
-// weight row exactly once, sequentially, and keeps the few x rows in L1:
-//   - `_mm512_dpbf16_ps` multiplies 32 bf16 pairs of x and w and accumulates into 16 fp32
-//     lanes (products of bf16 are exact in fp32; accumulation is fp32 throughout);
-//   - one weight row at a time (a single sequential stream the hardware prefetcher follows),
-//     up to 4 token rows share each weight load (more rows: further passes over the row in L1), several accumulators hide dpbf16 latency;
-//   - K that is not a multiple of 32 ends with one masked load (zeros past the end);
-//   - output rows are split into contiguous ranges, one per thread (at::parallel_for, torch's
-//     OpenMP pool and thread count), so each thread streams one contiguous slab of memory;
-//   - the result is rounded to bf16 round-to-nearest-even once (after the bias add), or kept
-//     fp32 when asked.
-// Compiled with -mavx512f -mavx512bw -mavx512vl -mavx512bf16: the Python side loads this only
-// on CPUs that report avx512_bf16.
+// The reduction order of one output y[m, n] (the contract both paths below implement):
+//   - K is cut into blocks of E elements (E = 32 for bf16, 16 for fp32): nb = K / E full
+//     blocks, then a tail of K % E elements loaded masked (zeros past the end);
+//   - four chains (vector accumulators of 16 fp32 lanes) per output: with q = nb / 4, block j
+//     < 4q goes to chain j % 4, blocks 4q..nb-1 and then the tail go to chain 0, each chain
+//     in increasing j. A block is one `_mm512_dpbf16_ps` (bf16: 32 products summed pairwise
+//     into 16 lanes, exact products, fp32 accumulation) or one `_mm512_fmadd_ps` (fp32);
+//   - total = ((c0 + c1) + c2) + c3, then `_mm512_reduce_add_ps(total)`, then + bias, then
+//     one rounding to the output dtype (bf16 round-to-nearest-even) unless fp32 is asked.
+// Threads split N (output columns), never K, so neither the thread count nor M changes a bit.
+//
+// Two paths, chosen by speed only (identical bits):
+//   - decode (M <= kStreamRows): one weight row at a time, a single sequential stream the
+//     hardware prefetcher follows, up to 4 token rows sharing each weight load (more rows:
+//     further passes over the row in L1). Bound by DRAM bandwidth.
+//   - prefill (M > kStreamRows): register tiles of kMr token rows x kNr weight rows, one chain
+//     at a time (its blocks are strided by 4 E elements), x panels blocked to stay in L2.
+//     Bound by arithmetic.
+// Compiled with -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -ffp-contract=off: the Python
+// side loads this only on CPUs that report avx512_bf16.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -24,122 +31,256 @@
 // pybind11 and the at::Tensor caster: a quarter of torch/extension.h's compile time.
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
 
-// Independent accumulators per (row, token): dpbf16 has a ~5-cycle latency, so one chain
-// per row would cap a core below DRAM speed; kUnroll chains hide it.
-constexpr int kUnroll = 4;
+constexpr int kChains = 4;
 
-struct Bias {
-  const c10::BFloat16* ptr = nullptr;  // [N] or null
-  inline float at(int64_t n) const { return ptr == nullptr ? 0.f : static_cast<float>(ptr[n]); }
+// One element kind: storage type, block width E, the block product and the masked tail load.
+struct Bf16 {
+  using T = uint16_t;
+  using V = __m512i;
+  static constexpr int E = 32;
+  static inline V load(const T* p) { return _mm512_loadu_si512(p); }
+  static inline V load_tail(const T* p, int r) {
+    return _mm512_maskz_loadu_epi16((__mmask32)((1ull << r) - 1), p);
+  }
+  static inline __m512 madd(__m512 acc, V w, V x) { return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x); }
+  static inline float to_float(T v) {
+    uint32_t bits = static_cast<uint32_t>(v) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  }
 };
 
-// Dot products of one weight row w [K] with M x rows (x: [M, K], row stride K): sums[m].
-//
-// One row at a time on purpose: measured on Zen 4, walking 4 rows together (4 interleaved
-// streams, each only K*2 bytes long) reached ~13 GB/s per core, while a single sequential
-// stream through the whole matrix lets the hardware prefetcher run ahead and reaches the
-// core's plain-read bandwidth (~26 GB/s). x stays in L1, so re-reading it per row is free.
-// Software prefetch 1-4 KiB ahead measured slower single-threaded, so it is not used.
-template <int M>
-inline void dot_row(const uint16_t* __restrict x, const uint16_t* __restrict w, int64_t K, float* sums) {
-  __m512 acc[kUnroll][M];
-  for (int u = 0; u < kUnroll; ++u)
+struct Fp32 {
+  using T = float;
+  using V = __m512;
+  static constexpr int E = 16;
+  static inline V load(const T* p) { return _mm512_loadu_ps(p); }
+  static inline V load_tail(const T* p, int r) { return _mm512_maskz_loadu_ps((__mmask16)((1u << r) - 1), p); }
+  static inline __m512 madd(__m512 acc, V w, V x) { return _mm512_fmadd_ps(x, w, acc); }
+  static inline float to_float(T v) { return v; }
+};
+
+template <typename Kind>
+struct Bias {
+  const typename Kind::T* ptr = nullptr;  // [N] or null
+  inline float at(int64_t n) const { return ptr == nullptr ? 0.f : Kind::to_float(ptr[n]); }
+};
+
+// The contract's last step, shared by both paths so that it is the same instruction sequence.
+inline float combine(__m512 c0, __m512 c1, __m512 c2, __m512 c3) {
+  __m512 total = _mm512_add_ps(c0, c1);
+  total = _mm512_add_ps(total, c2);
+  total = _mm512_add_ps(total, c3);
+  return _mm512_reduce_add_ps(total);
+}
+
+template <typename Out>
+inline Out store_value(float v);
+template <>
+inline float store_value<float>(float v) { return v; }
+template <>
+inline c10::BFloat16 store_value<c10::BFloat16>(float v) { return c10::BFloat16(v); }  // nearest even
+
+// --- decode path: one weight row against up to 4 token rows --------------------------------
+
+template <typename Kind, int M>
+inline void dot_row(const typename Kind::T* __restrict x, const typename Kind::T* __restrict w, int64_t K,
+                    float* sums) {
+  constexpr int E = Kind::E;
+  __m512 acc[kChains][M];
+  for (int u = 0; u < kChains; ++u)
     for (int m = 0; m < M; ++m) acc[u][m] = _mm512_setzero_ps();
   int64_t k = 0;
-  for (; k + 32 * kUnroll <= K; k += 32 * kUnroll) {
-    for (int u = 0; u < kUnroll; ++u) {
-      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k + 32 * u);
-      for (int m = 0; m < M; ++m) {
-        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k + 32 * u);
-        acc[u][m] = _mm512_dpbf16_ps(acc[u][m], wv, xv);
+  for (; k + E * kChains <= K; k += E * kChains) {
+    for (int u = 0; u < kChains; ++u) {
+      const auto wv = Kind::load(w + k + E * u);
+      for (int m = 0; m < M; ++m) acc[u][m] = Kind::madd(acc[u][m], wv, Kind::load(x + m * K + k + E * u));
+    }
+  }
+  for (; k + E <= K; k += E) {
+    const auto wv = Kind::load(w + k);
+    for (int m = 0; m < M; ++m) acc[0][m] = Kind::madd(acc[0][m], wv, Kind::load(x + m * K + k));
+  }
+  if (k < K) {
+    const int r = static_cast<int>(K - k);
+    const auto wv = Kind::load_tail(w + k, r);
+    for (int m = 0; m < M; ++m) acc[0][m] = Kind::madd(acc[0][m], wv, Kind::load_tail(x + m * K + k, r));
+  }
+  for (int m = 0; m < M; ++m) sums[m] = combine(acc[0][m], acc[1][m], acc[2][m], acc[3][m]);
+}
+
+constexpr int kGroup = 4;  // token rows sharing one weight load (kChains * kGroup zmm accumulators)
+
+template <typename Kind>
+inline void dot_rows(const typename Kind::T* __restrict x, const typename Kind::T* __restrict w, int64_t M,
+                     int64_t K, float* sums) {
+  int64_t m = 0;
+  for (; m + kGroup <= M; m += kGroup) dot_row<Kind, kGroup>(x + m * K, w, K, sums + m);
+  switch (M - m) {
+    case 0: return;
+    case 1: return dot_row<Kind, 1>(x + m * K, w, K, sums + m);
+    case 2: return dot_row<Kind, 2>(x + m * K, w, K, sums + m);
+    case 3: return dot_row<Kind, 3>(x + m * K, w, K, sums + m);
+  }
+}
+
+constexpr int64_t kStreamRows = 16;  // M up to this takes the decode path
+
+template <typename Kind, typename Out>
+void stream_range(const typename Kind::T* x, const typename Kind::T* w, Bias<Kind> bias, Out* y, int64_t M,
+                  int64_t N, int64_t K, int64_t n_begin, int64_t n_end) {
+  float sums[kStreamRows];
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    dot_rows<Kind>(x, w + n * K, M, K, sums);
+    const float b = bias.at(n);
+    for (int64_t m = 0; m < M; ++m) y[m * N + n] = store_value<Out>(sums[m] + b);
+  }
+}
+
+// --- prefill path: register tiles, one chain at a time ---------------------------------------
+
+constexpr int kMr = 4;  // token rows per register tile
+constexpr int kNr = 6;  // weight rows per register tile (kMr * kNr accumulators + kNr + 1 loads)
+
+// Chain u of the tile x[0..MR) x w[0..NR): its blocks in the contract's order, into part[MR][NR][16].
+template <typename Kind, int MR, int NR>
+inline void tile_chain(const typename Kind::T* __restrict x, const typename Kind::T* __restrict w, int64_t K,
+                       int u, float* __restrict part) {
+  constexpr int E = Kind::E;
+  __m512 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) acc[m][n] = _mm512_setzero_ps();
+  const int64_t nb = K / E, grouped = (nb / kChains) * kChains;
+  auto block = [&](int64_t k) {
+    typename Kind::V wv[NR];
+    for (int n = 0; n < NR; ++n) wv[n] = Kind::load(w + n * K + k);
+    for (int m = 0; m < MR; ++m) {
+      const auto xv = Kind::load(x + m * K + k);
+      for (int n = 0; n < NR; ++n) acc[m][n] = Kind::madd(acc[m][n], wv[n], xv);
+    }
+  };
+  for (int64_t j = u; j < grouped; j += kChains) block(j * E);
+  if (u == 0) {
+    for (int64_t j = grouped; j < nb; ++j) block(j * E);
+    if (nb * E < K) {
+      const int64_t k = nb * E;
+      const int r = static_cast<int>(K - k);
+      typename Kind::V wv[NR];
+      for (int n = 0; n < NR; ++n) wv[n] = Kind::load_tail(w + n * K + k, r);
+      for (int m = 0; m < MR; ++m) {
+        const auto xv = Kind::load_tail(x + m * K + k, r);
+        for (int n = 0; n < NR; ++n) acc[m][n] = Kind::madd(acc[m][n], wv[n], xv);
       }
     }
   }
-  for (; k + 32 <= K; k += 32) {
-    const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
-    for (int m = 0; m < M; ++m) {
-      acc[0][m] = _mm512_dpbf16_ps(acc[0][m], wv, (__m512bh)_mm512_loadu_si512(x + m * K + k));
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) _mm512_store_ps(part + (m * NR + n) * 16, acc[m][n]);
+}
+
+template <typename Kind, typename Out, int MR, int NR>
+void tile(const typename Kind::T* x, const typename Kind::T* w, Bias<Kind> bias, Out* y, int64_t N, int64_t K,
+          int64_t n0) {
+  alignas(64) float part[kChains][MR * NR * 16];
+  for (int u = 0; u < kChains; ++u) tile_chain<Kind, MR, NR>(x, w, K, u, part[u]);
+  for (int m = 0; m < MR; ++m) {
+    for (int n = 0; n < NR; ++n) {
+      const int i = (m * NR + n) * 16;
+      const float s = combine(_mm512_load_ps(part[0] + i), _mm512_load_ps(part[1] + i),
+                              _mm512_load_ps(part[2] + i), _mm512_load_ps(part[3] + i));
+      y[m * N + n0 + n] = store_value<Out>(s + bias.at(n0 + n));
     }
   }
-  if (k < K) {
-    // Tail: lanes past K load as zero in both operands, so they add 0 * 0.
-    const __mmask32 mask = (__mmask32)((1ull << (K - k)) - 1);
-    const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + k);
-    for (int m = 0; m < M; ++m) {
-      acc[0][m] = _mm512_dpbf16_ps(acc[0][m], wv, (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k));
+}
+
+template <typename Kind, typename Out, int MR>
+void tile_nr(int nr, const typename Kind::T* x, const typename Kind::T* w, Bias<Kind> bias, Out* y, int64_t N,
+             int64_t K, int64_t n0) {
+  switch (nr) {
+    case 1: return tile<Kind, Out, MR, 1>(x, w, bias, y, N, K, n0);
+    case 2: return tile<Kind, Out, MR, 2>(x, w, bias, y, N, K, n0);
+    case 3: return tile<Kind, Out, MR, 3>(x, w, bias, y, N, K, n0);
+    case 4: return tile<Kind, Out, MR, 4>(x, w, bias, y, N, K, n0);
+    case 5: return tile<Kind, Out, MR, 5>(x, w, bias, y, N, K, n0);
+    case 6: return tile<Kind, Out, MR, 6>(x, w, bias, y, N, K, n0);
+  }
+}
+
+template <typename Kind, typename Out>
+void tile_any(int mr, int nr, const typename Kind::T* x, const typename Kind::T* w, Bias<Kind> bias, Out* y,
+              int64_t N, int64_t K, int64_t n0) {
+  switch (mr) {
+    case 1: return tile_nr<Kind, Out, 1>(nr, x, w, bias, y, N, K, n0);
+    case 2: return tile_nr<Kind, Out, 2>(nr, x, w, bias, y, N, K, n0);
+    case 3: return tile_nr<Kind, Out, 3>(nr, x, w, bias, y, N, K, n0);
+    case 4: return tile_nr<Kind, Out, 4>(nr, x, w, bias, y, N, K, n0);
+  }
+}
+
+// Columns [n_begin, n_end) of y for all M rows: x panels of mc rows (kept in L2) times each
+// kNr-row weight strip (kept in L1), strip by strip.
+template <typename Kind, typename Out>
+void tiled_range(const typename Kind::T* x, const typename Kind::T* w, Bias<Kind> bias, Out* y, int64_t M,
+                 int64_t N, int64_t K, int64_t n_begin, int64_t n_end) {
+  const int64_t row_bytes = K * static_cast<int64_t>(sizeof(typename Kind::T));
+  const int64_t mc = std::max<int64_t>(kMr, ((768 * 1024) / row_bytes) / kMr * kMr);
+  for (int64_t m0 = 0; m0 < M; m0 += mc) {
+    const int64_t m1 = std::min(M, m0 + mc);
+    for (int64_t n0 = n_begin; n0 < n_end; n0 += kNr) {
+      const int nr = static_cast<int>(std::min<int64_t>(kNr, n_end - n0));
+      for (int64_t m = m0; m < m1; m += kMr) {
+        const int mr = static_cast<int>(std::min<int64_t>(kMr, m1 - m));
+        tile_any<Kind, Out>(mr, nr, x + m * K, w + n0 * K, bias, y + m * N, N, K, n0);
+      }
     }
   }
-  for (int m = 0; m < M; ++m) {
-    __m512 total = acc[0][m];
-    for (int u = 1; u < kUnroll; ++u) total = _mm512_add_ps(total, acc[u][m]);
-    sums[m] = _mm512_reduce_add_ps(total);
-  }
 }
 
-// Dot products of one weight row with all M token rows, in groups of up to kGroup rows per
-// pass (kUnroll * kGroup accumulators fit the 32 zmm registers); the row is re-read from L1
-// for each further group. Every token row's sum is computed by the same instruction
-// sequence whatever M and whichever group it falls in, so a row's result does not depend
-// on how many rows are in the batch.
-constexpr int kGroup = 4;
-
-inline void dot_rows(const uint16_t* __restrict x, const uint16_t* __restrict w, int64_t M, int64_t K,
-                     float* sums) {
-  int64_t m = 0;
-  for (; m + kGroup <= M; m += kGroup) dot_row<kGroup>(x + m * K, w, K, sums + m);
-  switch (M - m) {
-    case 0: return;
-    case 1: return dot_row<1>(x + m * K, w, K, sums + m);
-    case 2: return dot_row<2>(x + m * K, w, K, sums + m);
-    case 3: return dot_row<3>(x + m * K, w, K, sums + m);
+template <typename Kind, typename Out>
+void run(int64_t M, const typename Kind::T* x, const typename Kind::T* w, Bias<Kind> bias, Out* y, int64_t N,
+         int64_t K, bool force_tiled) {
+  const int64_t row_bytes = K * static_cast<int64_t>(sizeof(typename Kind::T));
+  if (M <= kStreamRows && !force_tiled) {
+    // Each thread gets one contiguous run of rows, so it streams one contiguous slab of the
+    // weight; at least ~256 KiB of weight per thread (smaller is not worth the fork/join).
+    const int64_t grain = std::max<int64_t>(1, (256 * 1024) / row_bytes);
+    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+      stream_range<Kind, Out>(x, w, bias, y, M, N, K, n0, n1);
+    });
+    return;
   }
-}
-
-template <typename Out>
-void gemv_range(const uint16_t* x, const uint16_t* w, Bias bias, Out* y, int64_t M, int64_t N, int64_t K,
-                int64_t n_begin, int64_t n_end) {
-  float sums[16];
-  for (int64_t n = n_begin; n < n_end; ++n) {
-    dot_rows(x, w + n * K, M, K, sums);
-    const float b = bias.at(n);
-    for (int64_t m = 0; m < M; ++m) y[m * N + n] = static_cast<Out>(sums[m] + b);
-  }
-}
-
-constexpr int64_t kMaxTokens = 16;  // token rows per call (decode steps of up to 16 sequences)
-
-template <typename Out>
-void dispatch_m(int64_t M, const uint16_t* x, const uint16_t* w, Bias bias, Out* y, int64_t N, int64_t K) {
-  TORCH_CHECK(M >= 1 && M <= kMaxTokens, "cpu_linear: tokens (M) must be 1..", kMaxTokens, ", got ", M);
-  // Each thread gets one contiguous run of rows, so it streams one contiguous slab of the
-  // weight. The grain keeps at least ~256 KiB of weight per thread: smaller matrices are not
-  // worth the fork/join.
-  const int64_t grain = std::max<int64_t>(1, (256 * 1024) / (K * 2));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { gemv_range<Out>(x, w, bias, y, M, N, K, n0, n1); });
+  // Threads own whole kNr-row strips of the weight (never a share of K).
+  const int64_t strips = (N + kNr - 1) / kNr;
+  at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
+    tiled_range<Kind, Out>(x, w, bias, y, M, N, K, s0 * kNr, std::min(N, s1 * kNr));
+  });
 }
 
 // Whether linear(x, weight, bias) can run here; false means "use torch". The rules (the
-// Python side documents them): bf16 CPU x [..., K] with 1..kMaxTokens rows once leading
-// dims are flattened; bf16 CPU weight [N, K] contiguous; bias None or bf16 CPU [N]; no
-// autograd graph being recorded through them (this op has no backward).
+// Python side documents them): x [..., K] and weight [N, K] of one dtype, bf16 or fp32, on
+// CPU, weight contiguous, at least one row; bias None or [N] of that dtype; no autograd graph
+// being recorded through them (this op has no backward).
 bool eligible(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  if (x.scalar_type() != at::kBFloat16 || weight.scalar_type() != at::kBFloat16) return false;
+  const auto dt = weight.scalar_type();
+  if (dt != at::kBFloat16 && dt != at::kFloat) return false;
+  if (x.scalar_type() != dt) return false;
   if (!x.device().is_cpu() || !weight.device().is_cpu()) return false;
   if (x.layout() != at::kStrided || weight.layout() != at::kStrided) return false;
   if (weight.dim() != 2 || !weight.is_contiguous() || x.dim() == 0) return false;
   const int64_t K = weight.size(1), N = weight.size(0);
   if (K == 0 || N == 0 || x.size(-1) != K) return false;
-  const int64_t M = x.numel() / K;
-  if (M < 1 || M > kMaxTokens) return false;
+  if (x.numel() / K < 1) return false;
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias) {
     const at::Tensor& b = *bias;
-    if (b.scalar_type() != at::kBFloat16 || !b.device().is_cpu() || b.layout() != at::kStrided || b.dim() != 1 ||
+    if (b.scalar_type() != dt || !b.device().is_cpu() || b.layout() != at::kStrided || b.dim() != 1 ||
         b.size(0) != N)
       return false;
   }
@@ -149,41 +290,47 @@ bool eligible(const at::Tensor& x, const at::Tensor& weight, const c10::optional
   return true;
 }
 
-// y = x @ weight^T (+ bias): [..., N] in bf16 (or fp32 when out_fp32), or None when the
-// inputs are not eligible (the caller then uses torch).
+// y = x @ weight^T (+ bias): [..., N] in x's dtype (fp32 when out_fp32), or None when the
+// inputs are not eligible (the caller then uses torch). `force_tiled` takes the prefill path
+// for any M (tests: both paths give the same bits).
 c10::optional<at::Tensor> try_linear(const at::Tensor& x, const at::Tensor& weight,
-                                     const c10::optional<at::Tensor>& bias, bool out_fp32) {
+                                     const c10::optional<at::Tensor>& bias, bool out_fp32, bool force_tiled) {
   if (!eligible(x, weight, bias)) return c10::nullopt;
   const int64_t K = weight.size(1), N = weight.size(0);
   const at::Tensor x2 = x.reshape({-1, K}).contiguous();  // [M, K]
   const int64_t M = x2.size(0);
-  Bias b;
   at::Tensor bias_c;
-  if (bias.has_value() && bias->defined()) {
-    bias_c = bias->contiguous();
-    b.ptr = reinterpret_cast<const c10::BFloat16*>(bias_c.data_ptr<at::BFloat16>());
-  }
+  if (bias.has_value() && bias->defined()) bias_c = bias->contiguous();
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
+  if (weight.scalar_type() == at::kFloat) {
+    Bias<Fp32> b;
+    if (bias_c.defined()) b.ptr = bias_c.data_ptr<float>();
+    at::Tensor y = at::empty(out_shape, x.options());
+    run<Fp32, float>(M, x2.data_ptr<float>(), weight.data_ptr<float>(), b, y.data_ptr<float>(), N, K, force_tiled);
+    return y;
+  }
+  Bias<Bf16> b;
+  if (bias_c.defined()) b.ptr = reinterpret_cast<const uint16_t*>(bias_c.data_ptr<at::BFloat16>());
   const auto* xp = reinterpret_cast<const uint16_t*>(x2.data_ptr<at::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
   if (out_fp32) {
     at::Tensor y = at::empty(out_shape, x.options().dtype(at::kFloat));
-    dispatch_m<float>(M, xp, wp, b, y.data_ptr<float>(), N, K);
+    run<Bf16, float>(M, xp, wp, b, y.data_ptr<float>(), N, K, force_tiled);
     return y;
   }
   at::Tensor y = at::empty(out_shape, x.options());
-  // c10::BFloat16(float) rounds to nearest even, like torch's own casts.
-  dispatch_m<c10::BFloat16>(M, xp, wp, b, reinterpret_cast<c10::BFloat16*>(y.data_ptr<at::BFloat16>()), N, K);
+  run<Bf16, c10::BFloat16>(M, xp, wp, b, reinterpret_cast<c10::BFloat16*>(y.data_ptr<at::BFloat16>()), N, K,
+                           force_tiled);
   return y;
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.attr("MAX_TOKENS") = kMaxTokens;
+  m.attr("STREAM_ROWS") = kStreamRows;
   m.def("eligible", &eligible, "whether try_linear runs the kernel for these inputs", py::arg("x"),
         py::arg("weight"), py::arg("bias"));
-  m.def("try_linear", &try_linear, "bf16 GEMV x [..., K] (<= MAX_TOKENS rows) @ weight[N, K]^T (+ bias), or None",
-        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out_fp32"));
+  m.def("try_linear", &try_linear, "x [..., K] @ weight[N, K]^T (+ bias) for bf16/fp32, or None", py::arg("x"),
+        py::arg("weight"), py::arg("bias"), py::arg("out_fp32"), py::arg("force_tiled") = false);
 }

@@ -115,9 +115,6 @@ class Turn:
     path: str = "/v1/chat/completions"
 
 
-GenerateBody = wire.ChatCompletionRequest | wire.CompletionRequest
-
-
 async def _until_disconnect(request: Request[Any, Any, Any]) -> None:
     """Returns when the client has gone away (the body is already read)."""
     while True:
@@ -292,7 +289,9 @@ class Gateway:
             await self.pool.probe_all()  # the poller may lag a restart; look once more
         return self.resolve_model(name)
 
-    async def generate(self, request: Request[Any, Any, Any], data: GenerateBody, path: str) -> Response[Any]:
+    async def generate(
+        self, request: Request[Any, Any, Any], data: wire.SamplingFields, path: str
+    ) -> Response[Any]:
         """Chat completions and completions: the same sessions, salt, routing and usage records."""
         caller: Caller = request.state.caller
         sid: str | None = None
@@ -343,6 +342,7 @@ class Gateway:
             engines = [u for u in self.pool.candidates(affinity, preferred, model) if u not in tried]
         if full:
             raise min(full, key=_retry_after)
+        self.resolve_model(model)  # its 503 naming the model when the model's engines are gone
         raise self.no_engine()
 
     async def _until_lost(self, url: str) -> None:

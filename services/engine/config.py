@@ -52,6 +52,9 @@ def parse_size(text: str) -> int:
 class EngineConfig:
     model: Path
     device: str = "cpu"
+    # Layers per device (models/placement.py): `cuda:0:0-23,cuda:1:24-47`, or a bare device
+    # list (`cpu,cpu`, `cuda:0,cuda:1`) for an even split; "" runs every layer on --device.
+    layer_split: str = ""
     dtype: str = "bfloat16"
     num_threads: int = 0  # 0 = torch default
     max_context: int = 8192  # state capacity in tokens; longer prompts are rejected
@@ -99,6 +102,18 @@ class EngineConfig:
             )
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"--device {self.device}: torch sees no GPU here; use --device cpu")
+        if self.layer_split:
+            from keepwarm.engine.models.placement import LayerSplit, PlacementError
+
+            if self.device != "cpu":
+                raise ConfigError(
+                    f"--device {self.device} and --layer-split both place the model: drop --device "
+                    "(the split names each stage's device)"
+                )
+            try:
+                LayerSplit.parse(self.layer_split)
+            except PlacementError as e:
+                raise ConfigError(str(e)) from e
         if self.keepalive_s <= 0:
             raise ConfigError("--keepalive-s must be > 0 seconds")
         if self.engine_token and len(self.engine_token) < 16:

@@ -50,8 +50,8 @@ from keepwarm.engine.loading.chat_template import ChatTemplate
 from keepwarm.engine.loading.checkpoint import open_checkpoint
 from keepwarm.engine.loading.tokenizer import Tokenizer
 from keepwarm.engine.models import build_backend
+from keepwarm.engine.models.placement import Placement
 from keepwarm.engine.serving.tool_calls import detect_format
-from keepwarm.kernels.ops import ops_for
 
 MAX_AUTO_WINDOW = 256  # `auto:W` compares with at most this many recent prompts
 
@@ -95,12 +95,13 @@ class Engine:
         self.cfg = cfg
         if cfg.num_threads > 0:
             torch.set_num_threads(cfg.num_threads)
-        self.device = torch.device(cfg.device)
         self.ckpt = open_checkpoint(cfg.model)
+        self.placement = Placement.from_config(cfg.layer_split, cfg.device, self.ckpt.num_layers)
+        self.device = self.placement.first
         self.tokenizer = Tokenizer.from_dir(cfg.model)
         self.template = ChatTemplate.from_dir(cfg.model, self.tokenizer)
         self.backend = build_backend(
-            self.ckpt, self.device, cfg.torch_dtype, ops_for(self.device, cfg.use_triton)
+            self.ckpt, self.placement, cfg.torch_dtype, self.placement.ops(cfg.use_triton)
         )
         self.runner = Runner(self.backend)
         fingerprint_cache = cfg.cache_dir / "fingerprints.json" if cfg.cache_dir else None

@@ -31,6 +31,19 @@ class Checkpoint:
         return str(self.config.get("model_type", ""))
 
     @property
+    def num_layers(self) -> int:
+        """`num_hidden_layers` of the language model (under `text_config` for a multimodal
+        config.json): what a layer split places."""
+        sub = self.config.get("text_config")
+        cfg = sub if isinstance(sub, dict) and "num_hidden_layers" in sub else self.config
+        try:
+            return int(cfg["num_hidden_layers"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(
+                f"{self.path / 'config.json'}: num_hidden_layers is missing or not an integer"
+            ) from None
+
+    @property
     def weight_files(self) -> tuple[Path, ...]:
         return tuple(sorted(set(self.name_to_file.values())))
 

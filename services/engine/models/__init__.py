@@ -1,5 +1,6 @@
 """Model families, keyed by config.json `model_type`. Each family module exposes
-`build(checkpoint, device, dtype, ops) -> Backend`."""
+`build(checkpoint, placement, dtype, ops) -> Backend`: every layer's weights and state on
+its stage's device (models/placement.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from keepwarm.engine.loading.checkpoint import Checkpoint, CheckpointError
 from keepwarm.engine.models.backend import Backend
+from keepwarm.engine.models.placement import Placement, PlacementError
 from keepwarm.kernels.ops import Ops
 
 MODEL_TYPE_TO_FAMILY = {
@@ -23,15 +25,30 @@ MODEL_TYPE_TO_FAMILY = {
     "laguna": "laguna",
     "gpt_oss": "gpt_oss",
 }
+_PLACED = {"dense", "laguna", "gpt_oss"}  # families whose build takes a Placement
 
 
-def build_backend(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, ops: Ops) -> Backend:
+def build_backend(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype, ops: Ops) -> Backend:
+    """The family's backend with its layers placed by `where` (one device: every layer there).
+    `ops` must run on every device of the placement (Placement.ops)."""
     family = MODEL_TYPE_TO_FAMILY.get(ckpt.model_type)
     if family is None:
         known = ", ".join(sorted(MODEL_TYPE_TO_FAMILY))
         raise CheckpointError(
             f"{ckpt.path / 'config.json'}: model_type {ckpt.model_type!r} is not supported (supported: {known})"
         )
+    placement = where if isinstance(where, Placement) else Placement.single(where, ckpt.num_layers)
+    if placement.num_layers != ckpt.num_layers:
+        raise PlacementError(
+            f"--layer-split places {placement.num_layers} layers; this model has {ckpt.num_layers}"
+        )
     module = importlib.import_module(f"keepwarm.engine.models.{family}")
-    backend: Backend = module.build(ckpt, device, dtype, ops)
+    if family in _PLACED:
+        backend: Backend = module.build(ckpt, placement, dtype, ops)
+        return backend
+    if len(placement.stages) > 1:
+        raise PlacementError(
+            f"--layer-split: the {family} family runs on one device only (drop --layer-split)"
+        )
+    backend = module.build(ckpt, placement.first, dtype, ops)
     return backend

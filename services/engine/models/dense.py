@@ -2,8 +2,8 @@
 qk-norm for qwen3, q/k/v bias for qwen2, tied or untied embeddings).
 
 State per layer: preallocated K and V rows, `layers.{i}.k` / `layers.{i}.v`
-[capacity, num_kv_heads, head_dim]; a snapshot is the first `position` rows
-(contiguous views, no copy).
+[capacity, num_kv_heads, head_dim] on the layer's stage device; a snapshot is the first
+`position` rows (contiguous views, no copy).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from keepwarm.engine.cache.snapshot import LOGITS, Geometry, Snapshot, SnapshotM
 from keepwarm.engine.cache.snapshot_file import Alloc
 from keepwarm.engine.loading.checkpoint import Checkpoint, CheckpointError
 from keepwarm.engine.models.backend import State
+from keepwarm.engine.models.placement import Placement
 from keepwarm.engine.models.rope import Rope, build_rope
 from keepwarm.kernels.ops import Ops
 
@@ -143,12 +144,13 @@ class DenseBackend:
         cfg: DenseConfig,
         raw_cfg: dict[str, Any],
         weights: dict[str, Any],
-        device: torch.device,
+        placement: Placement,
         dtype: torch.dtype,
         ops: Ops,
     ) -> None:
         self.cfg = cfg
-        self.device = device
+        self.placement = placement
+        self.device = placement.first  # where tokens enter; logits come out on placement.last
         self.dtype = dtype
         self.ops = ops
         self.vocab_size = cfg.vocab_size
@@ -156,7 +158,7 @@ class DenseBackend:
         self.lm_head: torch.Tensor = weights["lm_head"]
         self.final_norm: torch.Tensor = weights["final_norm"]
         self.layers: list[_Layer] = weights["layers"]
-        self.rope: Rope = build_rope(raw_cfg, cfg.head_dim, device)
+        self.rope: Rope = build_rope(raw_cfg, cfg.head_dim, placement.first)
         self.scale = cfg.head_dim**-0.5
         kv_shape = (-1, cfg.num_kv_heads, cfg.head_dim)
         specs = []
@@ -170,10 +172,12 @@ class DenseBackend:
     def new_state(self, capacity: int) -> State:
         c = self.cfg
         tensors = {}
-        for s in self.geometry.specs:
-            if s.length_dim is not None:
-                tensors[s.name] = torch.empty(
-                    (capacity, c.num_kv_heads, c.head_dim), dtype=self.dtype, device=self.device
+        for i in range(c.num_layers):
+            for part in ("k", "v"):
+                tensors[f"layers.{i}.{part}"] = torch.empty(
+                    (capacity, c.num_kv_heads, c.head_dim),
+                    dtype=self.dtype,
+                    device=self.placement.device_of(i),
                 )
         return State(capacity=capacity, tensors=tensors)
 
@@ -195,7 +199,7 @@ class DenseBackend:
             if t[:p].data_ptr() != src.data_ptr():  # equal when the restore read straight into `into`
                 t[:p].copy_(src)
         state.position = p
-        state.logits = snapshot.tensors[LOGITS].to(self.device, torch.float32, copy=True)
+        state.logits = snapshot.tensors[LOGITS].to(self.placement.last, torch.float32, copy=True)
         return state
 
     def restore_target(self, state: State) -> Alloc:
@@ -252,6 +256,9 @@ class DenseBackend:
             cos, sin = self.rope.cos_sin_at(positions, self.dtype)
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         for i, layer in enumerate(self.layers):
+            dev = self.placement.device_of(i)
+            if x.device != dev:  # a stage boundary: the hidden state and positions move on
+                x, cos, sin = x.to(dev), cos.to(dev), sin.to(dev)
             h = ops.rms_norm(x, layer.input_norm, c.rms_norm_eps)
             q, k, v = ops.linear(h, layer.w_qkv, layer.b_qkv).split([q_size, kv_size, kv_size], dim=-1)
             q = q.view(t, c.num_heads, c.head_dim)
@@ -300,16 +307,20 @@ def _identity(position: int) -> int:
     return position
 
 
-def build(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, ops: Ops) -> DenseBackend:
+def build(ckpt: Checkpoint, placement: Placement, dtype: torch.dtype, ops: Ops) -> DenseBackend:
+    """Each layer's weights straight onto its stage's device; the embedding on the first
+    stage, the final norm and the head on the last."""
     cfg = DenseConfig.from_dict(ckpt.config)
     hid, d = cfg.hidden_size, cfg.head_dim
     q_size, kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
+    device = placement.first  # where `w` loads to: set per layer, then per stage below
 
     def w(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return ckpt.load(name, dtype, device, shape=shape)
 
     layers = []
     for i in range(cfg.num_layers):
+        device = placement.device_of(i)
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
         wq, wk, wv = (
@@ -351,11 +362,13 @@ def build(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, ops: Ops) 
                 b_down=w(m + "down_proj.bias", (hid,)) if cfg.mlp_bias else None,
             )
         )
+    device = placement.first
     embed = w("model.embed_tokens.weight", (cfg.vocab_size, hid))
+    device = placement.last
     if ckpt.has("lm_head.weight"):
         lm_head = w("lm_head.weight", (cfg.vocab_size, hid))
     elif cfg.tie_word_embeddings:
-        lm_head = embed
+        lm_head = embed.to(device)  # the same tensor unless the first and last stage differ
     else:
         raise CheckpointError(f"{ckpt.path}: lm_head.weight is missing and tie_word_embeddings is false")
     weights = {
@@ -364,4 +377,4 @@ def build(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, ops: Ops) 
         "final_norm": w("model.norm.weight", (hid,)),
         "layers": layers,
     }
-    return DenseBackend(cfg, ckpt.config, weights, device, dtype, ops)
+    return DenseBackend(cfg, ckpt.config, weights, placement, dtype, ops)

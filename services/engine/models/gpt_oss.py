@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from keepwarm.engine.loading.checkpoint import Checkpoint, CheckpointError
+from keepwarm.engine.models.placement import Placement
 from keepwarm.engine.models.rope import Rope, build_rope, rope_parameters
 from keepwarm.engine.models.sliding import (
     FULL,
@@ -30,7 +31,7 @@ from keepwarm.engine.models.sliding import (
     refuse_unknown_fields,
 )
 from keepwarm.kernels.ops import Ops
-from keepwarm.kernels.sliding_attention import SlidingAttentionOps, sliding_attention_for
+from keepwarm.kernels.sliding_attention import SlidingAttentionOps
 
 # Fields with no effect on inference outputs (training, generation defaults, metadata;
 # `initial_context_length` is the original OpenAI name of the YaRN original length).
@@ -177,13 +178,13 @@ class GptOssBackend(SlidingKvBackend):
         lm_head: torch.Tensor,
         final_norm: torch.Tensor,
         layers: list[_Layer],
-        device: torch.device,
+        placement: Placement,
         dtype: torch.dtype,
         ops: Ops,
         attention: SlidingAttentionOps,
     ) -> None:
         layout = KvLayout(cfg.layer_types, cfg.sliding_window, cfg.num_kv_heads, cfg.head_dim)
-        super().__init__(layout, cfg.vocab_size, device, dtype, attention)
+        super().__init__(layout, cfg.vocab_size, placement, dtype, attention)
         self.cfg = cfg
         self.rope = rope
         self.embed = embed
@@ -200,6 +201,9 @@ class GptOssBackend(SlidingKvBackend):
         cos, sin = batch.cos_sin(self.rope, self.dtype)
         q_size, kv_size = c.num_heads * d, c.num_kv_heads * d
         for i, layer in enumerate(self.layers):
+            dev = self.placement.device_of(i)
+            if x.device != dev:  # a stage boundary: the hidden state and positions move on
+                x, cos, sin = x.to(dev), cos.to(dev), sin.to(dev)
             h = rms_norm_f32(x, layer.input_norm, c.rms_norm_eps)
             q, k, v = ops.linear(h, layer.w_qkv, layer.b_qkv).split([q_size, kv_size, kv_size], dim=-1)
             q = ops.rotary(q.reshape(n, c.num_heads, d), cos, sin)
@@ -232,8 +236,11 @@ class GptOssBackend(SlidingKvBackend):
         return out
 
 
-def build(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, ops: Ops) -> GptOssBackend:
+def build(ckpt: Checkpoint, placement: Placement, dtype: torch.dtype, ops: Ops) -> GptOssBackend:
+    """Each layer's weights straight onto its stage's device; the embedding on the first
+    stage, the final norm and the head on the last."""
     cfg = GptOssConfig.from_dict(ckpt.config)
+    device = placement.first  # where `w` loads to: set per layer, then per stage below
     hid, d = cfg.hidden_size, cfg.head_dim
     q_size, kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
     e_n, inter = cfg.num_experts, cfg.intermediate_size
@@ -247,6 +254,7 @@ def build(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, ops: Ops) 
         )
     layers: list[_Layer] = []
     for i in range(cfg.num_layers):
+        device = placement.device_of(i)
         p = f"model.layers.{i}."
         sa, mp = p + "self_attn.", p + "mlp."
         b_qkv = b_o = None
@@ -288,11 +296,13 @@ def build(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, ops: Ops) 
                 down_bias=w(mp + "experts.down_proj_bias", (e_n, hid)),
             )
         )
+    device = placement.first
     embed = w("model.embed_tokens.weight", (cfg.vocab_size, hid))
+    device = placement.last
     if ckpt.has("lm_head.weight"):
         lm_head = w("lm_head.weight", (cfg.vocab_size, hid))
     elif cfg.tie_word_embeddings:
-        lm_head = embed
+        lm_head = embed.to(device)  # the same tensor unless the first and last stage differ
     else:
         raise CheckpointError(f"{ckpt.path}: lm_head.weight is missing and tie_word_embeddings is false")
     raw = dict(ckpt.config)
@@ -302,7 +312,7 @@ def build(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, ops: Ops) 
         raise CheckpointError(
             "config.json: rope partial_rotary_factor must be 1.0 for gpt_oss (every dim rotates)"
         )
-    rope = build_rope(raw, d, device)
+    rope = build_rope(raw, d, placement.first)
     return GptOssBackend(
         cfg,
         rope,
@@ -310,10 +320,10 @@ def build(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, ops: Ops) 
         lm_head,
         w("model.norm.weight", (hid,), torch.float32),
         layers,
-        device,
+        placement,
         dtype,
         ops,
-        sliding_attention_for(device),  # the one place the attention implementation is chosen
+        placement.sliding_attention(),  # the one place the attention implementation is chosen
     )
 
 

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from keepwarm.engine.loading.checkpoint import Checkpoint, CheckpointError
+from keepwarm.engine.models.placement import Placement
 from keepwarm.engine.models.rope import Rope, build_rope
 from keepwarm.engine.models.sliding import (
     FULL,
@@ -31,7 +32,7 @@ from keepwarm.engine.models.sliding import (
     refuse_unknown_fields,
 )
 from keepwarm.kernels.ops import Ops
-from keepwarm.kernels.sliding_attention import SlidingAttentionOps, sliding_attention_for
+from keepwarm.kernels.sliding_attention import SlidingAttentionOps
 
 DENSE, SPARSE = "dense", "sparse"
 
@@ -201,13 +202,13 @@ class LagunaBackend(SlidingKvBackend):
         lm_head: torch.Tensor,
         final_norm: torch.Tensor,
         layers: list[_Layer],
-        device: torch.device,
+        placement: Placement,
         dtype: torch.dtype,
         ops: Ops,
         attention: SlidingAttentionOps,
     ) -> None:
         layout = KvLayout(cfg.layer_types, cfg.sliding_window, cfg.num_kv_heads, cfg.head_dim)
-        super().__init__(layout, cfg.vocab_size, device, dtype, attention)
+        super().__init__(layout, cfg.vocab_size, placement, dtype, attention)
         self.cfg = cfg
         self.ropes = ropes
         self.embed = embed
@@ -223,6 +224,10 @@ class LagunaBackend(SlidingKvBackend):
         n, d, hkv = x.shape[0], c.head_dim, c.num_kv_heads
         cos_sin = {t: batch.cos_sin(r, self.dtype) for t, r in self.ropes.items()}
         for i, layer in enumerate(self.layers):
+            dev = self.placement.device_of(i)
+            if x.device != dev:  # a stage boundary: the hidden state and positions move on
+                x = x.to(dev)
+                cos_sin = {t: (cos.to(dev), sin.to(dev)) for t, (cos, sin) in cos_sin.items()}
             a = layer.attn
             h = ops.rms_norm(x, layer.input_norm, c.rms_norm_eps)
             gate_dim = a.num_heads if c.gate_per_head else a.num_heads * d
@@ -274,9 +279,12 @@ class LagunaBackend(SlidingKvBackend):
         return routed * c.routed_scaling + self._mlp(w.shared, h)
 
 
-def build(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, ops: Ops) -> LagunaBackend:
+def build(ckpt: Checkpoint, placement: Placement, dtype: torch.dtype, ops: Ops) -> LagunaBackend:
+    """Each layer's weights straight onto its stage's device; the embedding on the first
+    stage, the final norm and the head on the last."""
     cfg = LagunaConfig.from_dict(ckpt.config)
     hid, d, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_kv_heads
+    device = placement.first  # where `w` loads to: set per layer, then per stage below
 
     def w(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return ckpt.load(name, dtype, device, shape=shape)
@@ -289,6 +297,7 @@ def build(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, ops: Ops) 
 
     layers: list[_Layer] = []
     for i, kind in enumerate(cfg.layer_types):
+        device = placement.device_of(i)
         p = f"model.layers.{i}."
         sa = p + "self_attn."
         hq = cfg.heads_per_layer[i]
@@ -362,16 +371,18 @@ def build(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, ops: Ops) 
                 mlp=mlp,
             )
         )
+    device = placement.first
     embed = w("model.embed_tokens.weight", (cfg.vocab_size, hid))
+    device = placement.last
     if ckpt.has("lm_head.weight"):
         lm_head = w("lm_head.weight", (cfg.vocab_size, hid))
     elif cfg.tie_word_embeddings:
-        lm_head = embed
+        lm_head = embed.to(device)  # the same tensor unless the first and last stage differ
     else:
         raise CheckpointError(f"{ckpt.path}: lm_head.weight is missing and tie_word_embeddings is false")
     ropes = {}
     for kind, params in cfg.rope_parameters.items():
-        ropes[kind] = build_rope({**ckpt.config, "rope_parameters": params}, d, device)
+        ropes[kind] = build_rope({**ckpt.config, "rope_parameters": params}, d, placement.first)
         if ropes[kind].rotary_dim > d:
             raise CheckpointError(
                 f"config.json: {kind} rotary dim {ropes[kind].rotary_dim} exceeds head_dim {d}"
@@ -381,12 +392,12 @@ def build(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, ops: Ops) 
         ropes,
         embed,
         lm_head,
-        w("model.norm.weight", (hid,)),
+        w("model.norm.weight", (hid,)),  # on the last stage
         layers,
-        device,
+        placement,
         dtype,
         ops,
-        sliding_attention_for(device),  # the one place the attention implementation is chosen
+        placement.sliding_attention(),  # the one place the attention implementation is chosen
     )
 
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from keepwarm.engine.cache.snapshot import LOGITS, Geometry, Snapshot, SnapshotMismatch, TensorSpec
 from keepwarm.engine.loading.checkpoint import Checkpoint, CheckpointError
-from keepwarm.engine.models.backend import State, step_each
+from keepwarm.engine.models.backend import State
 from keepwarm.engine.models.rope import Rope, build_rope
 from keepwarm.kernels.delta_rule import DeltaRuleOps, delta_rule_for
 from keepwarm.kernels.ops import Ops
@@ -284,68 +284,110 @@ class Qwen35Backend:
 
     # -- compute -------------------------------------------------------------
     def prefill(self, state: State, tokens: torch.Tensor) -> torch.Tensor:
-        return self.forward(state, tokens)[-1]
-
-    def step(self, states: Sequence[State], chunks: Sequence[torch.Tensor]) -> torch.Tensor:
-        return step_each(self, states, chunks)
+        return self._forward([state], [tokens])[0]
 
     def decode(self, state: State, token: int) -> torch.Tensor:
-        return self.forward(state, torch.tensor([token], dtype=torch.int64, device=self.device))[-1]
+        return self._forward([state], [torch.tensor([token], dtype=torch.int64, device=self.device)])[0]
 
-    @torch.inference_mode()
+    def step(self, states: Sequence[State], chunks: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Batched forward (backend.py): projections, MLP/MoE and the head over all sum(n_i)
+        tokens at once; conv windows, delta-rule states and attention per sequence (the
+        decodes of a step share one conv and one delta-rule call). Logits [B, vocab] float32."""
+        return self._forward(states, chunks)
+
     def forward(self, state: State, tokens: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
         """Advance `state` by `tokens` [T] int64; logits [1 or T, vocab] float32."""
+        return self._forward([state], [tokens], all_logits)
+
+    @torch.inference_mode()
+    def _forward(
+        self, states: Sequence[State], chunks: Sequence[torch.Tensor], all_logits: bool = False
+    ) -> torch.Tensor:
+        """Advance each `states[b]` by `chunks[b]` [n_b] in one pass over T = sum(n_b) tokens.
+        Logits [B, vocab] float32 after each chunk's last token, or [T, vocab] with
+        `all_logits` (one sequence only)."""
         c = self.cfg
-        t = int(tokens.shape[0])
-        if tokens.dim() != 1 or t == 0:
-            raise ValueError(f"tokens must be a non-empty 1-D tensor, got shape {tuple(tokens.shape)}")
-        start, end = state.position, state.position + t
-        if end > state.capacity:
-            raise ValueError(
-                f"state capacity {state.capacity} is too small for {end} tokens: allocate a larger state"
-            )
-        x = F.embedding(tokens.to(self.device), self.embed)  # [T, hidden]
-        cos, sin = self.rope.cos_sin(start, t, self.dtype)  # [T, R]
+        step = _Step.of(states, chunks)
+        assert not all_logits or len(states) == 1, "all_logits is for one sequence"
+        tokens = torch.cat([ch.reshape(-1) for ch in chunks]).to(self.device)
+        x = F.embedding(tokens, self.embed)  # [T, hidden]
+        cos, sin = self.rope.cos_sin_at(step.positions(self.device), self.dtype)  # [T, R]
         for i, layer in enumerate(self.layers):
             h = rms_norm_1p(x, layer.input_norm, c.rms_norm_eps)
             if isinstance(layer.mixer, _Linear):
-                x = x + self._linear(i, layer.mixer, h, state)
+                x = x + self._linear(i, layer.mixer, h, states, step)
             else:
-                x = x + self._attention(i, layer.mixer, h, state, start, cos, sin)
+                x = x + self._attention(i, layer.mixer, h, states, step, cos, sin)
             h = rms_norm_1p(x, layer.post_norm, c.rms_norm_eps)
             x = x + (_mlp(layer.mlp, h) if isinstance(layer.mlp, _Mlp) else _moe(layer.mlp, h))
         if not all_logits:
-            x = x[-1:]
+            x = x[step.last_rows]
         logits = F.linear(rms_norm_1p(x, self.final_norm, c.rms_norm_eps), self.lm_head).float()
-        state.position = end
-        state.logits = logits[-1].clone()
+        for b, st in enumerate(states):
+            st.position = step.starts[b] + step.lengths[b]
+            st.logits = logits[-1 if all_logits else b].clone()
         return logits
 
-    def _linear(self, i: int, w: _Linear, h: torch.Tensor, state: State) -> torch.Tensor:
-        """Gated DeltaNet over h [T, hidden] -> [T, hidden]; replaces this layer's conv and
-        recurrent state tensors."""
+    def _linear(
+        self, i: int, w: _Linear, h: torch.Tensor, states: Sequence[State], step: _Step
+    ) -> torch.Tensor:
+        """Gated DeltaNet over h [T, hidden] -> [T, hidden]; replaces each sequence's conv and
+        recurrent state tensors of this layer."""
         c = self.cfg
         t = h.shape[0]
-        hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        hk, hv, dk, dv = (
+            c.linear_num_key_heads,
+            c.linear_num_value_heads,
+            c.linear_key_head_dim,
+            c.linear_value_head_dim,
+        )
         mixed, z, b, a = F.linear(h, w.w_in).split([c.conv_dim, c.value_dim, hv, hv], dim=-1)
-        # Causal depthwise conv over [the K-1 carried inputs | this chunk]: a chunk boundary
-        # inside a conv window sees exactly the inputs a one-shot run would.
-        conv_name = f"layers.{i}.conv"
-        window = torch.cat([state.tensors[conv_name], mixed.t()], dim=1)  # [conv_dim, K-1+T]
-        keep = c.conv_kernel - 1
-        state.tensors[conv_name] = window[:, window.shape[1] - keep :].contiguous()
-        conv = (
-            F.silu(F.conv1d(window.unsqueeze(0), w.conv, groups=c.conv_dim)).squeeze(0).t()
-        )  # [T, conv_dim]
-        q, k, v = conv.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
-        q = q.reshape(t, c.linear_num_key_heads, dk)
-        k = k.reshape(t, c.linear_num_key_heads, dk)
-        v = v.reshape(t, hv, dv)
         beta = b.sigmoid()
         g = -w.a_log.float().exp() * F.softplus(a.float() + w.dt_bias)  # [T, Hv] float32 log decay
-        rec_name = f"layers.{i}.recurrent"
-        rule = self.delta_rule.decode if t == 1 else self.delta_rule.prefill
-        out, state.tensors[rec_name] = rule(q, k, v, g, beta, state.tensors[rec_name])  # out [T, Hv, Dv]
+        conv_name, rec_name = f"layers.{i}.conv", f"layers.{i}.recurrent"
+        keep = c.conv_kernel - 1
+        out = h.new_empty((t, hv, dv))  # delta-rule output per token
+        if step.decodes:
+            # All one-token sequences at once: a batched conv window, and one delta-rule call
+            # with the sequences folded into the head dim (value head b Hv + j reads key head
+            # b Hk + j // (Hv / Hk): the same grouping as within one sequence).
+            rows, nd = step.decode_rows, len(step.decodes)
+            carried = torch.stack([states[s].tensors[conv_name] for s in step.decodes])  # [Bd, conv_dim, K-1]
+            window = torch.cat([carried, mixed[rows].unsqueeze(-1)], dim=-1)  # [Bd, conv_dim, K]
+            conv = F.silu(F.conv1d(window, w.conv, groups=c.conv_dim))[..., -1]  # [Bd, conv_dim]
+            q, k, v = conv.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
+            recurrent = torch.cat([states[s].tensors[rec_name] for s in step.decodes])  # [Bd Hv, Dk, Dv]
+            o, new_rec = self.delta_rule.decode(
+                q.reshape(1, nd * hk, dk),
+                k.reshape(1, nd * hk, dk),
+                v.reshape(1, nd * hv, dv),
+                g[rows].reshape(1, nd * hv),
+                beta[rows].reshape(1, nd * hv),
+                recurrent,
+            )
+            out[rows] = o.view(nd, hv, dv)
+            new_conv = window[..., window.shape[-1] - keep :].contiguous()
+            for j, s in enumerate(step.decodes):
+                states[s].tensors[conv_name] = new_conv[j]
+                states[s].tensors[rec_name] = new_rec[j * hv : (j + 1) * hv]
+        for s in step.prefills:
+            st, o0, n = states[s], step.offsets[s], step.lengths[s]
+            # Causal depthwise conv over [the K-1 carried inputs | this chunk]: a chunk boundary
+            # inside a conv window sees exactly the inputs a one-shot run would.
+            window = torch.cat([st.tensors[conv_name], mixed[o0 : o0 + n].t()], dim=1)  # [conv_dim, K-1+n]
+            st.tensors[conv_name] = window[:, window.shape[1] - keep :].contiguous()
+            conv = (
+                F.silu(F.conv1d(window.unsqueeze(0), w.conv, groups=c.conv_dim)).squeeze(0).t()
+            )  # [n, conv_dim]
+            q, k, v = conv.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
+            out[o0 : o0 + n], st.tensors[rec_name] = self.delta_rule.prefill(
+                q.reshape(n, hk, dk),
+                k.reshape(n, hk, dk),
+                v.reshape(n, hv, dv),
+                g[o0 : o0 + n],
+                beta[o0 : o0 + n],
+                st.tensors[rec_name],
+            )
         # Gated RMSNorm per value head: norm(out) * w, then * silu(z) in float32, cast back.
         normed = self.ops.rms_norm(out, w.norm, c.rms_norm_eps)
         gated = (normed * F.silu(z.reshape(t, hv, dv).float())).to(h.dtype)
@@ -356,12 +398,13 @@ class Qwen35Backend:
         i: int,
         w: _Attention,
         h: torch.Tensor,
-        state: State,
-        start: int,
+        states: Sequence[State],
+        step: _Step,
         cos: torch.Tensor,
         sin: torch.Tensor,
     ) -> torch.Tensor:
-        """Gated full attention over h [T, hidden] -> [T, hidden]; writes K/V rows start..start+T-1."""
+        """Gated full attention over h [T, hidden] -> [T, hidden]; writes each sequence's K/V
+        rows start..start+n-1 and attends over its own rows 0..start+n-1."""
         c, ops = self.cfg, self.ops
         t, d = h.shape[0], c.head_dim
         qg = F.linear(h, w.w_q).view(t, c.num_heads, 2 * d)
@@ -369,18 +412,77 @@ class Qwen35Backend:
         k, v = F.linear(h, w.w_kv).split([c.num_kv_heads * d, c.num_kv_heads * d], dim=-1)
         q = rms_norm_1p(q, w.q_norm, c.rms_norm_eps)
         k = rms_norm_1p(k.view(t, c.num_kv_heads, d), w.k_norm, c.rms_norm_eps)
+        v = v.view(t, c.num_kv_heads, d)
         r = cos.shape[-1]  # partial RoPE: only the first R dims of each head rotate
         q = torch.cat([ops.rotary(q[..., :r], cos, sin), q[..., r:]], dim=-1)
         k = torch.cat([ops.rotary(k[..., :r], cos, sin), k[..., r:]], dim=-1)
-        end = start + t
-        k_cache, v_cache = state.tensors[f"layers.{i}.k"], state.tensors[f"layers.{i}.v"]
-        k_cache[start:end] = k
-        v_cache[start:end] = v.view(t, c.num_kv_heads, d)
-        if t == 1:
-            attn = ops.decode_attention(q[0], k_cache[:end], v_cache[:end], self.scale).unsqueeze(0)
-        else:
-            attn = ops.prefill_attention(q, k_cache[:end], v_cache[:end], self.scale)
+        outs = []
+        for st, start, n, o in zip(states, step.starts, step.lengths, step.offsets, strict=False):
+            end = start + n
+            k_cache, v_cache = st.tensors[f"layers.{i}.k"], st.tensors[f"layers.{i}.v"]
+            k_cache[start:end] = k[o : o + n]
+            v_cache[start:end] = v[o : o + n]
+            if n == 1:
+                outs.append(ops.decode_attention(q[o], k_cache[:end], v_cache[:end], self.scale).unsqueeze(0))
+            else:
+                outs.append(ops.prefill_attention(q[o : o + n], k_cache[:end], v_cache[:end], self.scale))
+        attn = outs[0] if len(outs) == 1 else torch.cat(outs)
         return F.linear(attn.reshape(t, c.num_heads * d) * torch.sigmoid(gate), w.w_o)
+
+
+@dataclass(frozen=True)
+class _Step:
+    """Where each sequence's tokens sit in one batched forward: sequence b's chunk is rows
+    offsets[b] .. offsets[b] + lengths[b] - 1 of the concatenation, at positions starts[b] ..
+    Row lists are plain ints (they index a tensor on any device)."""
+
+    starts: tuple[int, ...]
+    lengths: tuple[int, ...]
+    offsets: tuple[int, ...]
+    decodes: tuple[int, ...]  # sequences advancing by one token
+    prefills: tuple[int, ...]  # sequences advancing by a chunk of several
+    decode_rows: list[int]  # their token rows, in `decodes` order
+    last_rows: list[int]  # each sequence's last token row
+
+    @staticmethod
+    def of(states: Sequence[State], chunks: Sequence[torch.Tensor]) -> _Step:
+        """Validates the step before any state is touched."""
+        if not states or len(states) != len(chunks):
+            raise ValueError(
+                f"step needs one chunk per state, got {len(states)} states and {len(chunks)} chunks"
+            )
+        if len({id(s) for s in states}) != len(states):
+            raise ValueError("step: a state appears twice; each sequence advances once per step")
+        offsets, lengths = [], []
+        off = 0
+        for st, ch in zip(states, chunks, strict=True):
+            if ch.dim() != 1 or ch.shape[0] == 0:
+                raise ValueError(f"tokens must be a non-empty 1-D tensor, got shape {tuple(ch.shape)}")
+            n = int(ch.shape[0])
+            if st.position + n > st.capacity:
+                raise ValueError(
+                    f"state capacity {st.capacity} is too small for {st.position + n} tokens: "
+                    "allocate a larger state"
+                )
+            offsets.append(off)
+            lengths.append(n)
+            off += n
+        decodes = tuple(b for b, n in enumerate(lengths) if n == 1)
+        return _Step(
+            starts=tuple(s.position for s in states),
+            lengths=tuple(lengths),
+            offsets=tuple(offsets),
+            decodes=decodes,
+            prefills=tuple(b for b, n in enumerate(lengths) if n > 1),
+            decode_rows=[offsets[b] for b in decodes],
+            last_rows=[o + n - 1 for o, n in zip(offsets, lengths, strict=True)],
+        )
+
+    def positions(self, device: torch.device) -> torch.Tensor:
+        """Absolute position of every token [T] int64."""
+        return torch.cat(
+            [torch.arange(s, s + n, device=device) for s, n in zip(self.starts, self.lengths, strict=True)]
+        )
 
 
 def _mlp(w: _Mlp, h: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ way transformers computes them (float32 inverse frequencies, rotate-half)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -13,33 +13,59 @@ import torch
 from keepwarm.engine.loading.checkpoint import CheckpointError
 
 
+TABLE_BLOCK = 1024  # positions per precomputed block of the cos/sin table
+
+
 @dataclass(frozen=True)
 class Rope:
+    """cos/sin of every position come from a table computed once, in fixed blocks of
+    TABLE_BLOCK positions (each block always by the same vectorized computation), so a
+    position's values are the same bits whether it is reached in a long prefill chunk,
+    a short one or a decode step, and no step computes trigonometry."""
+
     inv_freq: torch.Tensor  # [Dr/2] float32
     attention_scaling: float
+    tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @property
     def rotary_dim(self) -> int:
         return 2 * self.inv_freq.shape[0]
 
-    def cos_sin(self, start: int, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [length, Dr] for positions start..start+length-1."""
-        pos = torch.arange(start, start + length, device=self.inv_freq.device, dtype=torch.float32)
+    def _block(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(
+            b * TABLE_BLOCK, (b + 1) * TABLE_BLOCK, device=self.inv_freq.device, dtype=torch.float32
+        )
         freqs = pos[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos() * self.attention_scaling
-        sin = emb.sin() * self.attention_scaling
-        return cos.to(dtype), sin.to(dtype)
+        return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+
+    def table(self, end: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [>= end, Dr] in `dtype` for positions 0.. (grown a block at a time)."""
+        have = self.tables.get(dtype)
+        rows = 0 if have is None else have[0].shape[0]
+        if rows < end:
+            blocks = [self._block(b) for b in range(rows // TABLE_BLOCK, -(-end // TABLE_BLOCK))]
+            cos = torch.cat([c.to(dtype) for c, _ in blocks])
+            sin = torch.cat([s.to(dtype) for _, s in blocks])
+            if have is not None:
+                cos, sin = torch.cat([have[0], cos]), torch.cat([have[1], sin])
+            self.tables[dtype] = have = (cos, sin)
+        assert have is not None
+        return have
+
+    def cos_sin(self, start: int, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [length, Dr] for positions start..start+length-1."""
+        cos, sin = self.table(start + length, dtype)
+        return cos[start : start + length], sin[start : start + length]
 
     def cos_sin_at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, Dr] for arbitrary positions [T] int64 (a batch of sequences at
-        different offsets); elementwise the same arithmetic as `cos_sin`, so the values
-        are bitwise equal for the same position."""
-        freqs = positions.to(self.inv_freq.device, torch.float32)[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos() * self.attention_scaling
-        sin = emb.sin() * self.attention_scaling
-        return cos.to(dtype), sin.to(dtype)
+        different offsets)."""
+        cos, sin = self.table(int(positions.max()) + 1, dtype)
+        idx = positions.to(cos.device)
+        return cos[idx], sin[idx]
 
 
 def rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:

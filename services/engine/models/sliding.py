@@ -8,6 +8,7 @@ State, by canonical name (DESIGN.md §2.1, §2.2):
   sliding layer i: `layers.{i}.k` / `.v`  [R, Hkv, D], R = min(W, capacity): a ring, position
                    a at row a % R; only the last W positions are ever read
   `sidecar.logits` [vocab] float32
+Each layer's K/V lives on its stage's device (models/placement.py); logits on the last stage's.
 Snapshot at position p: full layers rows 0..p-1; sliding layers exactly min(p, W) rows,
 positions p - min(p, W) .. p-1 in position order, so the file does not depend on the ring's
 rotation. Adopt puts each row back at row a % R, which makes the adopted ring identical to
@@ -28,6 +29,7 @@ import torch
 from keepwarm.engine.cache.snapshot import LOGITS, Geometry, Snapshot, SnapshotMismatch, TensorSpec
 from keepwarm.engine.loading.checkpoint import CheckpointError
 from keepwarm.engine.models.backend import State
+from keepwarm.engine.models.placement import Placement
 from keepwarm.engine.models.rope import Rope
 from keepwarm.kernels.sliding_attention import SlidingAttentionOps
 
@@ -123,8 +125,8 @@ class Batch:
         return self.offsets[-1]
 
     def last_rows(self) -> torch.Tensor:
-        """Index [B] of each sequence's last token in the concatenation."""
-        return torch.tensor([o - 1 for o in self.offsets[1:]], device=self.backend.device)
+        """Index [B] of each sequence's last token in the concatenation (on the last stage)."""
+        return torch.tensor([o - 1 for o in self.offsets[1:]], device=self.backend.placement.last)
 
     def cos_sin(self, rope: Rope, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [N, Dr] at every token's absolute position."""
@@ -192,13 +194,14 @@ class SlidingKvBackend:
         self,
         layout: KvLayout,
         vocab_size: int,
-        device: torch.device,
+        placement: Placement,
         dtype: torch.dtype,
         attention: SlidingAttentionOps,
     ) -> None:
         self.layout = layout
         self.vocab_size = vocab_size
-        self.device = device
+        self.placement = placement
+        self.device = placement.first  # where tokens enter; logits come out on placement.last
         self.dtype = dtype
         self.attention = attention
         self.geometry = layout.geometry(dtype, vocab_size)
@@ -223,7 +226,9 @@ class SlidingKvBackend:
             rows = ring if kind == SLIDING else capacity
             for part in ("k", "v"):
                 tensors[f"layers.{i}.{part}"] = torch.empty(
-                    (rows, lay.num_kv_heads, lay.head_dim), dtype=self.dtype, device=self.device
+                    (rows, lay.num_kv_heads, lay.head_dim),
+                    dtype=self.dtype,
+                    device=self.placement.device_of(i),
                 )
         return State(capacity=capacity, tensors=tensors)
 
@@ -269,7 +274,7 @@ class SlidingKvBackend:
                     slots = torch.arange(p - src.shape[0], p, device=buf.device) % r
                     buf.index_copy_(0, slots, src.to(buf.device))
         state.position = p
-        state.logits = snapshot.tensors[LOGITS].to(self.device, torch.float32, copy=True)
+        state.logits = snapshot.tensors[LOGITS].to(self.placement.last, torch.float32, copy=True)
         return state
 
     def new_keys(self) -> set[str]:

@@ -15,7 +15,7 @@ request parser (openai_format) until the sampler implements them.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Generator
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
 import msgspec
@@ -550,8 +550,8 @@ class WireBody(AbstractDTO[T], Generic[T]):
     (None: the body was empty). Subclasses may check the raw bytes first (`decode_bytes`)."""
 
     @classmethod
-    def generate_field_definitions(cls, model_type: type[Any]) -> Iterator[Any]:
-        return iter(())
+    def generate_field_definitions(cls, model_type: type[Any]) -> Generator[Any, None, None]:
+        yield from ()
 
     @classmethod
     def detect_nested_field(cls, field_definition: FieldDefinition) -> bool:
