@@ -44,16 +44,18 @@ def _prompt_tokens(vocab: int, n: int) -> list[int]:
     return torch.randint(10, vocab - 10, (n,), generator=g).tolist()
 
 
-def bench_engine(
-    model: Path, dtype: torch.dtype, prefill_tokens: int, decode_tokens: int, chunk: int
-) -> dict[str, Any]:
+def _engine_speed(
+    model: Path, dtype: torch.dtype, toks: list[int], decode_tokens: int, chunk: int, invariant: bool
+) -> tuple[float, float, int]:
+    """(prefill seconds for `toks`, seconds per decode token at 256 + context, weight bytes)
+    with the invariant CPU kernels on or off (kernels/ops.py)."""
     from keepwarm.engine.loading.checkpoint import open_checkpoint
     from keepwarm.engine.models import build_backend
     from keepwarm.kernels.ops import ops_for
 
     dev = torch.device("cpu")
-    backend = build_backend(open_checkpoint(model), dev, dtype, ops_for(dev))
-    toks = _prompt_tokens(backend.vocab_size, prefill_tokens)
+    backend = build_backend(open_checkpoint(model), dev, dtype, ops_for(dev, invariant=invariant))
+    n = len(toks)
 
     def prefill(state: Any, tokens: list[int]) -> torch.Tensor:
         logits = None
@@ -62,14 +64,13 @@ def bench_engine(
         assert logits is not None
         return logits
 
-    prefill(backend.new_state(prefill_tokens + 8), toks[:128])  # warm-up
+    prefill(backend.new_state(n + 8), toks[:128])  # warm-up
     pre = []
     for _ in range(2):
-        st = backend.new_state(prefill_tokens + 8)
+        st = backend.new_state(n + 8)
         t0 = time.perf_counter()
         prefill(st, toks)
         pre.append(time.perf_counter() - t0)
-    prefill_s = min(pre)
 
     st = backend.new_state(256 + decode_tokens + 8)
     tok = int(torch.argmax(prefill(st, toks[:256])))
@@ -79,28 +80,53 @@ def bench_engine(
     for _ in range(decode_tokens):
         tok = int(torch.argmax(backend.decode(st, tok)))
     decode_s = (time.perf_counter() - t0) / decode_tokens
-
     weights = {id(t): t for t in _tensors(backend)}
     weights_bytes = sum(t.numel() * t.element_size() for t in weights.values())
-    del backend, st
+    return min(pre), decode_s, weights_bytes
 
-    ref_prefill_s, ref_decode_s = _bench_transformers(model, dtype, toks, decode_tokens)
+
+def bench_engine(
+    model: Path, dtype: torch.dtype, prefill_tokens: int, decode_tokens: int, chunk: int, reference: bool = True
+) -> dict[str, Any]:
+    """Prefill and decode speed with invariance on (the default) and off, back to back; the
+    transformers reference unless `reference` is False."""
+    from keepwarm.kernels.ops import ops_for
+
+    toks = _prompt_tokens(_vocab_size(model), prefill_tokens)
+    prefill_s, decode_s, weights_bytes = _engine_speed(model, dtype, toks, decode_tokens, chunk, True)
+    off_prefill_s, off_decode_s, _ = _engine_speed(model, dtype, toks, decode_tokens, chunk, False)
     gbps = mem_read_gbps()
-    return {
+    out: dict[str, Any] = {
         "model": str(model),
         "dtype": str(dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
+        "ops": ops_for(torch.device("cpu")).name,
         "prefill_tokens": prefill_tokens,
         "prefill_tok_s": prefill_tokens / prefill_s,
-        "ref_prefill_tok_s": prefill_tokens / ref_prefill_s,
-        "prefill_ratio": ref_prefill_s / prefill_s,
         "decode_tok_s": 1 / decode_s,
-        "ref_decode_tok_s": 1 / ref_decode_s,
-        "decode_ratio": ref_decode_s / decode_s,
+        "prefill_tok_s_invariance_off": prefill_tokens / off_prefill_s,
+        "decode_tok_s_invariance_off": 1 / off_decode_s,
+        # the fraction of throughput invariance costs (negative: it is faster)
+        "invariance_cost_prefill": 1 - off_prefill_s / prefill_s,
+        "invariance_cost_decode": 1 - off_decode_s / decode_s,
         "weights_bytes": weights_bytes,
         "mem_read_gbps": gbps,
         "decode_roofline_fraction": (weights_bytes / decode_s / 1e9) / gbps,
+        "load_average": os.getloadavg(),
     }
+    if reference:
+        ref_prefill_s, ref_decode_s = _bench_transformers(model, dtype, toks, decode_tokens)
+        out.update(
+            ref_prefill_tok_s=prefill_tokens / ref_prefill_s,
+            prefill_ratio=ref_prefill_s / prefill_s,
+            ref_decode_tok_s=1 / ref_decode_s,
+            decode_ratio=ref_decode_s / decode_s,
+        )
+    return out
+
+
+def _vocab_size(model: Path) -> int:
+    return int(json.loads((model / "config.json").read_text())["vocab_size"])
 
 
 def _tensors(obj: object, depth: int = 0) -> list[torch.Tensor]:
@@ -386,12 +412,15 @@ def main(argv: list[str] | None = None) -> int:
         "--reply-tokens", type=int, default=128, help="serve: tokens per reply in the decode figures"
     )
     p.add_argument("--system-tokens", type=int, default=1000, help="serve: the shared system prompt")
+    p.add_argument("--no-reference", action="store_true", help="engine: skip the transformers reference")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     from keepwarm.engine.config import DTYPES
 
     if a.what == "engine":
-        result = bench_engine(a.model, DTYPES[a.dtype], a.prompt_tokens, a.decode_tokens, a.chunk)
+        result = bench_engine(
+            a.model, DTYPES[a.dtype], a.prompt_tokens, a.decode_tokens, a.chunk, not a.no_reference
+        )
     elif a.what == "cache":
         result = bench_cache(a.model, a.dtype, a.prompt_tokens, a.threads)
     else:

@@ -13,6 +13,29 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+NO_GPU = "no GPU here: torch.cuda.is_available() is False (a ROCm build of torch reports its GPU as cuda too)"
+
+# The devices a `device`-taking test runs on: the CPU always; the GPU where torch sees one, marked
+# `gpu` so that `pytest -m gpu` runs exactly the GPU cases (here they are skipped, saying why).
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)]
+    ),
+]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "gpu: runs on the GPU (torch's cuda device, ROCm included); pytest -m gpu"
+    )
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    """The torch device name a test runs its engine, cache or kernel on."""
+    return str(request.param)
+
 
 @pytest.fixture(scope="session")
 def tiny_dense_model(tmp_path_factory: pytest.TempPathFactory) -> Path:

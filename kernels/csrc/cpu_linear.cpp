@@ -8,7 +8,7 @@
 //     < 4q goes to chain j % 4, blocks 4q..nb-1 and then the tail go to chain 0, each chain
 //     in increasing j. A block is one `_mm512_dpbf16_ps` (bf16: 32 products summed pairwise
 //     into 16 lanes, exact products, fp32 accumulation) or one `_mm512_fmadd_ps` (fp32);
-//   - total = ((c0 + c1) + c2) + c3, then `_mm512_reduce_add_ps(total)`, then + bias, then
+//   - total = ((c0 + c1) + c2) + c3, then a horizontal sum in a fixed tree (hsum16), + bias, then
 //     one rounding to the output dtype (bf16 round-to-nearest-even) unless fp32 is asked.
 // Threads split N (output columns), never K, so neither the thread count nor M changes a bit.
 //
@@ -74,12 +74,44 @@ struct Bias {
   inline float at(int64_t n) const { return ptr == nullptr ? 0.f : Kind::to_float(ptr[n]); }
 };
 
-// The contract's last step, shared by both paths so that it is the same instruction sequence.
+// The horizontal sum of the contract, written out so that no compiler's reduce intrinsic
+// decides it: t[j] = a[j] + a[j + 8]; u[j] = t[j] + t[j + 4]; (u[0] + u[2]) + (u[1] + u[3]).
+inline float hsum16(__m512 a) {
+  const __m256 t = _mm256_add_ps(_mm512_castps512_ps256(a),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+  const __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+  const __m128 v = _mm_add_ps(u, _mm_movehl_ps(u, u));  // [u0 + u2, u1 + u3, ...]
+  return _mm_cvtss_f32(_mm_add_ss(v, _mm_shuffle_ps(v, v, 1)));
+}
+
+// out[i] = hsum16(v[i]) for 16 vectors at once, bitwise: the same additions of the same
+// operands, with the vectors' lanes transposed as the tree goes (15 adds for 16 sums).
+inline void hsum16x16(const __m512* v, float* out) {
+  __m512 s1[8], s2[4], s3[2];
+  for (int i = 0; i < 8; ++i)  // [a(0..7) + a(8..15), b(0..7) + b(8..15)]
+    s1[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 4; ++i)  // 128-bit lane L: u(0..3) of vector 4 i + L
+    s2[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s1[2 * i], s1[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                          _mm512_shuffle_f32x4(s1[2 * i], s1[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 2; ++i)  // lane L: [u0 + u2, u1 + u3] of vectors 8 i + L, 8 i + 4 + L
+    s3[i] = _mm512_add_ps(_mm512_shuffle_ps(s2[2 * i], s2[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm512_shuffle_ps(s2[2 * i], s2[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // lane L, element j: the sum of vector 4 j + L
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(s3[0], s3[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(s3[0], s3[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  alignas(64) float tmp[16];
+  _mm512_store_ps(tmp, r);
+  for (int lane = 0; lane < 4; ++lane)
+    for (int j = 0; j < 4; ++j) out[4 * j + lane] = tmp[4 * lane + j];
+}
+
+// The contract's last step in the decode path: ((c0 + c1) + c2) + c3, then hsum16.
 inline float combine(__m512 c0, __m512 c1, __m512 c2, __m512 c3) {
   __m512 total = _mm512_add_ps(c0, c1);
   total = _mm512_add_ps(total, c2);
   total = _mm512_add_ps(total, c3);
-  return _mm512_reduce_add_ps(total);
+  return hsum16(total);
 }
 
 template <typename Out>
@@ -150,10 +182,11 @@ void stream_range(const typename Kind::T* x, const typename Kind::T* w, Bias<Kin
 constexpr int kMr = 4;  // token rows per register tile
 constexpr int kNr = 6;  // weight rows per register tile (kMr * kNr accumulators + kNr + 1 loads)
 
-// Chain u of the tile x[0..MR) x w[0..NR): its blocks in the contract's order, into part[MR][NR][16].
+// Chain u of the tile x[0..MR) x w[0..NR), its blocks in the contract's order, added into
+// total[MR][NR][16] (chain 0 stores): after the four chains, total = ((c0 + c1) + c2) + c3.
 template <typename Kind, int MR, int NR>
 inline void tile_chain(const typename Kind::T* __restrict x, const typename Kind::T* __restrict w, int64_t K,
-                       int u, float* __restrict part) {
+                       int u, float* __restrict total) {
   constexpr int E = Kind::E;
   __m512 acc[MR][NR];
   for (int m = 0; m < MR; ++m)
@@ -180,24 +213,29 @@ inline void tile_chain(const typename Kind::T* __restrict x, const typename Kind
         for (int n = 0; n < NR; ++n) acc[m][n] = Kind::madd(acc[m][n], wv[n], xv);
       }
     }
+    for (int m = 0; m < MR; ++m)
+      for (int n = 0; n < NR; ++n) _mm512_store_ps(total + (m * NR + n) * 16, acc[m][n]);
+    return;
   }
-  for (int m = 0; m < MR; ++m)
-    for (int n = 0; n < NR; ++n) _mm512_store_ps(part + (m * NR + n) * 16, acc[m][n]);
+  for (int m = 0; m < MR; ++m) {
+    for (int n = 0; n < NR; ++n) {
+      float* t = total + (m * NR + n) * 16;
+      _mm512_store_ps(t, _mm512_add_ps(_mm512_load_ps(t), acc[m][n]));
+    }
+  }
 }
 
 template <typename Kind, typename Out, int MR, int NR>
 void tile(const typename Kind::T* x, const typename Kind::T* w, Bias<Kind> bias, Out* y, int64_t N, int64_t K,
           int64_t n0) {
-  alignas(64) float part[kChains][MR * NR * 16];
-  for (int u = 0; u < kChains; ++u) tile_chain<Kind, MR, NR>(x, w, K, u, part[u]);
-  for (int m = 0; m < MR; ++m) {
-    for (int n = 0; n < NR; ++n) {
-      const int i = (m * NR + n) * 16;
-      const float s = combine(_mm512_load_ps(part[0] + i), _mm512_load_ps(part[1] + i),
-                              _mm512_load_ps(part[2] + i), _mm512_load_ps(part[3] + i));
-      y[m * N + n0 + n] = store_value<Out>(s + bias.at(n0 + n));
-    }
-  }
+  constexpr int kOut = MR * NR, kPadded = (kOut + 15) / 16 * 16;
+  alignas(64) float total[kPadded * 16];
+  for (int u = 0; u < kChains; ++u) tile_chain<Kind, MR, NR>(x, w, K, u, total);
+  for (int i = kOut * 16; i < kPadded * 16; ++i) total[i] = 0.f;
+  float sums[kPadded];
+  for (int i = 0; i < kPadded; i += 16) hsum16x16(reinterpret_cast<const __m512*>(total + i * 16), sums + i);
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) y[m * N + n0 + n] = store_value<Out>(sums[m * NR + n] + bias.at(n0 + n));
 }
 
 template <typename Kind, typename Out, int MR>

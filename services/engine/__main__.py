@@ -85,6 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = config_from(args)
     except ConfigError as e:
         parser.error(str(e))
+    if cfg.models and args.command != "serve":
+        parser.error(f"{args.command} takes one --model (several, or a models folder, are for serve)")
     if args.command == "serve":
         from keepwarm.engine.serving.server import serve as run_server
 

@@ -51,6 +51,12 @@ def parse_size(text: str) -> int:
 @dataclass(frozen=True)
 class EngineConfig:
     model: Path
+    # Every served model when there are several (`--model` repeated, or a models folder: each
+    # subfolder with a config.json); `model` is then the first, the default. () = `model` alone.
+    models: tuple[Path, ...] = ()
+    # Bytes of weights (at the runtime dtype) the loaded models may hold together; loading one
+    # more parks the least recently used idle ones (serving/model_set.py). 0 = no limit.
+    models_budget: int = 0
     device: str = "cpu"
     # Layers per device (models/placement.py): `cuda:0:0-23,cuda:1:24-47`, or a bare device
     # list (`cpu,cpu`, `cuda:0,cuda:1`) for an even split; "" runs every layer on --device.
@@ -100,8 +106,10 @@ class EngineConfig:
             raise ConfigError(
                 f"--device {self.device!r}: use cpu or cuda[:N] (ROCm builds of torch report cuda)"
             )
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ConfigError(f"--device {self.device}: torch sees no GPU here; use --device cpu")
+        if self.models and self.model_name:
+            raise ConfigError(
+                "--model-name names one model; with several --model each is served under its folder name"
+            )
         if self.layer_split:
             from keepwarm.engine.models.placement import LayerSplit, PlacementError
 
@@ -114,6 +122,8 @@ class EngineConfig:
                 LayerSplit.parse(self.layer_split)
             except PlacementError as e:
                 raise ConfigError(str(e)) from e
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"--device {self.device}: torch sees no GPU here; use --device cpu")
         if self.keepalive_s <= 0:
             raise ConfigError("--keepalive-s must be > 0 seconds")
         if self.engine_token and len(self.engine_token) < 16:
@@ -142,7 +152,7 @@ class EngineConfig:
 
 
 _ENV_PREFIX = "KEEPWARM_"
-_SIZES = {"disk_budget", "min_free_disk", "memory_budget", "kv_budget"}
+_SIZES = {"disk_budget", "min_free_disk", "memory_budget", "kv_budget", "models_budget"}
 
 
 def _convert(name: str, raw: str) -> object:
@@ -173,9 +183,14 @@ def _convert(name: str, raw: str) -> object:
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="Hugging Face checkpoint folder (env KEEPWARM_MODEL)")
+    p.add_argument(
+        "--model",
+        action="append",
+        help="Hugging Face checkpoint folder; repeat it, or name a folder of checkpoint folders, to "
+        f"serve several (env KEEPWARM_MODEL, several separated by {os.pathsep!r})",
+    )
     for f in fields(EngineConfig):
-        if f.name == "model":
+        if f.name in ("model", "models"):
             continue
         p.add_argument(
             "--" + f.name.replace("_", "-"),
@@ -194,7 +209,18 @@ def config_from(
     disk tier lives under the user's cache dir (`cache_dir_default`)."""
     env = os.environ if env is None else env
     values: dict[str, object] = {}
+    given = getattr(args, "model", None) if args is not None else None
+    if isinstance(given, list):
+        given = os.pathsep.join(given)
+    given = given if given is not None else env.get(_ENV_PREFIX + "MODEL")
+    if given:
+        paths = [p for raw in given.split(os.pathsep) if raw for p in models_in(Path(raw))]
+        values["model"] = paths[0]
+        if len(paths) > 1:
+            values["models"] = tuple(paths)
     for f in fields(EngineConfig):
+        if f.name in ("model", "models"):
+            continue
         raw = getattr(args, f.name, None) if args is not None else None
         if raw is None:
             raw = env.get(_ENV_PREFIX + f.name.upper())
@@ -205,3 +231,13 @@ def config_from(
     if "cache_dir" not in values and cache_dir_default:
         values["cache_dir"] = default_cache_dir()
     return EngineConfig(**values).validate()  # type: ignore[arg-type]
+
+
+def models_in(path: Path) -> list[Path]:
+    """`path` itself, or, for a models folder (no config.json, subfolders with one), each
+    such subfolder by name."""
+    if path.is_dir() and not (path / "config.json").is_file():
+        found = sorted(p for p in path.iterdir() if p.is_dir() and (p / "config.json").is_file())
+        if found:
+            return found
+    return [path]

@@ -171,13 +171,23 @@ def torch_wheelhouse(requirement: str, folder: Path) -> Path:
 
 @contextmanager
 def serve_folder(folder: Path, host: str, port: int) -> Iterator[str]:
-    """`folder` over HTTP (a pip --find-links page) at http://host:port/ while the block runs."""
+    """`folder` over HTTP (a pip --find-links page) at http://host:port/ while the block runs. A
+    port already serving the same files (a container test running beside this one) is shared."""
+    url = f"http://{host}:{port}/"
     handler = functools.partial(_QuietHandler, directory=str(folder))
-    server = http.server.ThreadingHTTPServer((host, port), handler)
+    try:
+        server = http.server.ThreadingHTTPServer((host, port), handler)
+    except OSError:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            listing = r.read().decode()
+        missing = [p.name for p in folder.glob("*.whl") if p.name not in listing]
+        assert not missing, f"port {port} on {host} is taken by something else (it lacks {missing[:3]})"
+        yield url
+        return
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        yield f"http://{host}:{port}/"
+        yield url
     finally:
         server.shutdown()
         server.server_close()

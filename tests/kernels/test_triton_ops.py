@@ -283,6 +283,7 @@ print("gpu ok")
 """
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU to compile the kernels")
 def test_compiled_kernels_match_reference_on_gpu(tmp_path: Path) -> None:
     # A fresh process without TRITON_INTERPRET, so the kernels are compiled, not interpreted.

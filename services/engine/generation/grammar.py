@@ -95,7 +95,7 @@ def _tool_grammar(constraint: Constraint, tool_format: str | None, parallel: boo
         # "<tool_call>\n" + {"name": N, "arguments": {...}} + "\n</tool_call>", one or (parallel) more blocks
         calls = " | ".join(f"call{i}" for i in range(len(tools)))
         rules = "\n".join(
-            f"call{i}: %json {json.dumps(_call_schema(t, 'arguments'), separators=(',', ':'))}"
+            f"call{i}: %json {json.dumps({**_call_schema(t, 'arguments'), 'x-guidance': _COMPACT})}"
             for i, t in enumerate(tools)
         )
         repeat = ' ("\\n" block)*' if parallel and constraint.kind == "tool_required" else ""

@@ -37,7 +37,7 @@ def build_backend(ckpt: Checkpoint, where: torch.device | Placement, dtype: torc
         raise CheckpointError(
             f"{ckpt.path / 'config.json'}: model_type {ckpt.model_type!r} is not supported (supported: {known})"
         )
-    placement = where if isinstance(where, Placement) else Placement.single(where, ckpt.num_layers)
+    placement = Placement.of(where, ckpt.num_layers)
     if placement.num_layers != ckpt.num_layers:
         raise PlacementError(
             f"--layer-split places {placement.num_layers} layers; this model has {ckpt.num_layers}"

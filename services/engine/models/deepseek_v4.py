@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from keepwarm.engine.cache.snapshot import LOGITS, Geometry, Snapshot, SnapshotMismatch, TensorSpec
 from keepwarm.engine.loading.checkpoint import Checkpoint
-from keepwarm.engine.models.backend import State, step_each
+from keepwarm.engine.models.backend import State
 from keepwarm.engine.models.deepseek_v4_config import CSA, HASH_MOE, HCA, SLIDING, DeepseekV4Config
 from keepwarm.engine.models.deepseek_v4_weights import (
     demo_config,
@@ -317,27 +317,37 @@ class DeepseekV4Backend:
 
     # -- compute -----------------------------------------------------------------------
     def prefill(self, state: State, tokens: torch.Tensor) -> torch.Tensor:
-        return self.forward(state, tokens)[-1]
-
-    def step(self, states: Sequence[State], chunks: Sequence[torch.Tensor]) -> torch.Tensor:
-        return step_each(self, states, chunks)
+        return self._forward([state], [tokens])[0]
 
     def decode(self, state: State, token: int) -> torch.Tensor:
-        return self.forward(state, torch.tensor([token], device=self.device))[-1]
+        return self._forward([state], [torch.tensor([token], device=self.device)])[0]
 
-    @torch.inference_mode()
+    def step(self, states: Sequence[State], chunks: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Batched forward (backend.py): mHC, projections, compressor and indexer projections,
+        MoE and the head over all sum(n_i) tokens at once; sliding window, compressors,
+        indexer scores and attention per sequence. Logits [B, vocab] float32."""
+        return self._forward(states, chunks)
+
     def forward(self, state: State, tokens: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
         """Advance `state` by `tokens` [T] (one chunk, any size, any position); logits
         [1 or T, vocab] float32."""
+        return self._forward([state], [tokens], all_logits)
+
+    @torch.inference_mode()
+    def _forward(
+        self, states: Sequence[State], chunks: Sequence[torch.Tensor], all_logits: bool = False
+    ) -> torch.Tensor:
+        """Advance each `states[b]` by `chunks[b]` [n_b] in one pass over T = sum(n_b) tokens.
+        Logits [B, vocab] float32 after each chunk's last token, or [T, vocab] with
+        `all_logits` (one sequence only)."""
         c = self.cfg
-        t = int(tokens.shape[0])
-        assert t >= 1, "a chunk needs at least one token"
-        start = state.position
-        assert start + t <= state.capacity, f"state capacity {state.capacity} exceeded ({start + t} tokens)"
-        tokens = tokens.to(self.device).long()
+        step = _Step.of(states, chunks)
+        assert not all_logits or len(states) == 1, "all_logits is for one sequence"
+        tokens = torch.cat([ch.reshape(-1) for ch in chunks]).to(self.device).long()
+        t = tokens.shape[0]
         x = F.embedding(tokens, self.embed)
         streams = x.unsqueeze(1).expand(t, c.hc_mult, c.hidden_size).contiguous()  # [T, n, hidden]
-        positions = torch.arange(start, start + t, device=self.device)
+        positions = step.positions(self.device)
         cos_sin = {
             "main": _cos_sin(self.rope_main, positions, self.dtype),
             "compress": _cos_sin(self.rope_compress, positions, self.dtype),
@@ -345,17 +355,18 @@ class DeepseekV4Backend:
         for i, layer in enumerate(self.layers):
             post, comb, collapsed = _hc_weights(layer.attn_hc, streams, c)
             h = rms_norm(collapsed, layer.attn_norm, c.rms_norm_eps)
-            out = self._attention(i, layer, h, state, start, cos_sin)
+            out = self._attention(i, layer, h, states, step, cos_sin)
             streams = _hc_merge(streams, out, post, comb)
             post, comb, collapsed = _hc_weights(layer.ffn_hc, streams, c)
             h = rms_norm(collapsed, layer.ffn_norm, c.rms_norm_eps)
             streams = _hc_merge(streams, self._moe(layer, h, tokens), post, comb)
         if not all_logits:
-            streams = streams[-1:]
+            streams = streams[step.last_rows]
         x = self._hc_head(streams)
-        logits = F.linear(rms_norm(x, self.final_norm, c.rms_norm_eps), self.lm_head).float()
-        state.position = start + t
-        state.logits = logits[-1]
+        logits = self.ops.linear(rms_norm(x, self.final_norm, c.rms_norm_eps), self.lm_head).float()
+        for b, st in enumerate(states):
+            st.position = step.starts[b] + step.lengths[b]
+            st.logits = logits[-1 if all_logits else b].clone()
         return logits
 
     def _hc_head(self, streams: torch.Tensor) -> torch.Tensor:
@@ -370,45 +381,57 @@ class DeepseekV4Backend:
         i: int,
         layer: _Layer,
         h: torch.Tensor,
-        state: State,
-        start: int,
+        states: Sequence[State],
+        step: _Step,
         cos_sin: dict[str, tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
-        c = self.cfg
+        """Attention block over h [T, hidden] -> [T, hidden]: every projection over all T
+        tokens, then per sequence its window, compressors, indexer and attention."""
+        c, linear = self.cfg, self.ops.linear
         t = h.shape[0]
         cos, sin = cos_sin["main" if layer.kind == SLIDING else "compress"]
-        q_res = rms_norm(F.linear(h, layer.q_a), layer.q_a_norm, c.rms_norm_eps)  # [T, q_lora_rank]
-        q = unweighted_rms_norm(F.linear(q_res, layer.q_b).view(t, c.num_heads, c.head_dim), c.rms_norm_eps)
+        q_res = rms_norm(linear(h, layer.q_a), layer.q_a_norm, c.rms_norm_eps)  # [T, q_lora_rank]
+        q = unweighted_rms_norm(linear(q_res, layer.q_b).view(t, c.num_heads, c.head_dim), c.rms_norm_eps)
         q = apply_rope(q, cos, sin)  # [T, H, d]
-        kv = apply_rope(rms_norm(F.linear(h, layer.kv), layer.kv_norm, c.rms_norm_eps), cos, sin)  # [T, d]
+        kv = apply_rope(rms_norm(linear(h, layer.kv), layer.kv_norm, c.rms_norm_eps), cos, sin)  # [T, d]
+        comp, idx = layer.compressor, layer.indexer
+        if comp is not None:  # compressor inputs of every token: kv and gate [T, C] each
+            comp_kv, comp_gate = linear(h, comp.kv), linear(h, comp.gate)
+        if idx is not None:  # the indexer's: compressor kv and gate [T, 2 dI], queries, head weights
+            idx_kv, idx_gate = linear(h, idx.comp.kv), linear(h, idx.comp.gate)
+            idx_q = apply_rope(linear(q_res, idx.q_b).view(t, c.index_n_heads, c.index_head_dim), cos, sin)
+            idx_w = linear(h, idx.weights_proj).float() * c.index_n_heads**-0.5  # [T, IH]
 
-        name = f"layers.{i}.window"
-        full = torch.cat([state.tensors[name], kv])  # positions start - rows .. start + T - 1
-        keep = _window_rows(c.sliding_window, start + t)
-        state.tensors[name] = full[full.shape[0] - keep :].clone()
-
-        comp_rows: torch.Tensor | None = None
-        comp_bias: torch.Tensor | None = None
-        q_pos = torch.arange(start, start + t, device=self.device)
-        if layer.compressor is not None:
-            comp_rows = self._compress(layer.compressor, h, state, f"layers.{i}.", start)
-            if layer.indexer is None:
-                # HCA: query at q sees every block that ended at or before q
-                visible = (q_pos + 1) // layer.compressor.rate
-                entry = torch.arange(comp_rows.shape[0], device=self.device)
-                comp_bias = torch.zeros((t, comp_rows.shape[0]), dtype=torch.float32, device=self.device)
-                comp_bias.masked_fill_(entry[None, :] >= visible[:, None], float("-inf"))
-            else:
-                comp_bias = self._index(
-                    layer.indexer, h, q_res, state, f"layers.{i}.indexer.", start, cos_sin
-                )
-
-        out = self._attend(layer, q, full, start, comp_rows, comp_bias)  # [T, H, d]
+        out = torch.empty_like(q)
+        prefix = f"layers.{i}."
+        for st, start, n, o in zip(states, step.starts, step.lengths, step.offsets, strict=False):
+            rows = slice(o, o + n)
+            # window rows then this chunk's: positions start - S0 .. start + n - 1
+            full = torch.cat([st.tensors[prefix + "window"], kv[rows]])
+            keep = _window_rows(c.sliding_window, start + n)
+            st.tensors[prefix + "window"] = full[full.shape[0] - keep :].clone()
+            comp_rows: torch.Tensor | None = None
+            comp_bias: torch.Tensor | None = None
+            if comp is not None:
+                comp_rows = self._compress(comp, comp_kv[rows], comp_gate[rows], st, prefix, start)
+                if idx is None:
+                    # HCA: query at q sees every block that ended at or before q
+                    q_pos = torch.arange(start, start + n, device=self.device)
+                    visible = (q_pos + 1) // comp.rate
+                    entry = torch.arange(comp_rows.shape[0], device=self.device)
+                    comp_bias = torch.zeros((n, comp_rows.shape[0]), dtype=torch.float32, device=self.device)
+                    comp_bias.masked_fill_(entry[None, :] >= visible[:, None], float("-inf"))
+                else:
+                    keys = self._compress(
+                        idx.comp, idx_kv[rows], idx_gate[rows], st, prefix + "indexer.", start
+                    )
+                    comp_bias = self._index(idx, keys, idx_q[rows], idx_w[rows], start)
+            out[rows] = self._attend(layer, q[rows], full, start, comp_rows, comp_bias)  # [n, H, d]
         # K = V carries rope on its trailing slice: rotate the output back by the query position
         out = apply_rope(out, cos, -sin)
         g = c.o_groups
         grouped = torch.bmm(out.reshape(t, g, -1).transpose(0, 1), layer.o_a.transpose(1, 2))  # [g, T, d_g]
-        return F.linear(grouped.transpose(0, 1).reshape(t, -1), layer.o_b)
+        return linear(grouped.transpose(0, 1).reshape(t, -1), layer.o_b)
 
     def _attend(
         self,
@@ -419,9 +442,9 @@ class DeepseekV4Backend:
         comp_rows: torch.Tensor | None,
         comp_bias: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Eager attention with sinks. q [T, H, d]; full [S0 + T, d] window rows then this
-        chunk's rows (row 0 at position start - S0); comp_rows [C, d] with comp_bias [T, C]
-        (0 or -inf). Query blocks keep scores at [H, block, W - 1 + block + C]."""
+        """Eager attention with sinks, one sequence. q [T, H, d]; full [S0 + T, d] window rows
+        then this chunk's rows (row 0 at position start - S0); comp_rows [C, d] with comp_bias
+        [T, C] (0 or -inf). Query blocks keep scores at [H, block, W - 1 + block + C]."""
         w = self.cfg.sliding_window
         t = q.shape[0]
         base = start + t - full.shape[0]
@@ -447,12 +470,13 @@ class DeepseekV4Backend:
         return out
 
     def _compress(
-        self, comp: _Compressor, h: torch.Tensor, state: State, prefix: str, start: int
+        self, comp: _Compressor, kv: torch.Tensor, gate: torch.Tensor, state: State, prefix: str, start: int
     ) -> torch.Tensor:
-        """Feed this chunk to a compressor; returns all its rows so far [(start + T) // r, dim]."""
+        """Feed one sequence's chunk, projected (kv, gate [T, C]), to a compressor; returns
+        all its rows so far [(start + T) // r, dim]."""
         r, d = comp.rate, comp.dim
-        kv = torch.cat([state.tensors[prefix + "pending_kv"], F.linear(h, comp.kv)])  # [start % r + T, C]
-        gate = torch.cat([state.tensors[prefix + "pending_gate"], F.linear(h, comp.gate)])
+        kv = torch.cat([state.tensors[prefix + "pending_kv"], kv])  # [start % r + T, C]
+        gate = torch.cat([state.tensors[prefix + "pending_gate"], gate])
         n = kv.shape[0] // r
         used = n * r
         state.tensors[prefix + "pending_kv"] = kv[used:].clone()
@@ -484,31 +508,21 @@ class DeepseekV4Backend:
         return rows[: first + n]
 
     def _index(
-        self,
-        idx: _Indexer,
-        h: torch.Tensor,
-        q_res: torch.Tensor,
-        state: State,
-        prefix: str,
-        start: int,
-        cos_sin: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        self, idx: _Indexer, keys: torch.Tensor, q: torch.Tensor, weights: torch.Tensor, start: int
     ) -> torch.Tensor:
-        """Lightning indexer: bias [T, C] over the CSA compressed rows, 0 on each query's
-        top-k completed blocks by sum_h w_h * relu(q_h . k), -inf elsewhere."""
+        """Lightning indexer, one sequence: bias [T, C] over its CSA compressed rows, 0 on each
+        query's top-k completed blocks by sum_h w_h * relu(q_h . k), -inf elsewhere. keys
+        [C, dI] are the indexer compressor's rows, q [T, IH, dI] roped, weights [T, IH] float32."""
         c = self.cfg
-        t = h.shape[0]
-        keys = self._compress(idx.comp, h, state, prefix, start)  # [C, dI]
+        t = q.shape[0]
         n_rows = keys.shape[0]
         if n_rows == 0:
             return torch.zeros((t, 0), dtype=torch.float32, device=self.device)
-        cos, sin = cos_sin["compress"]
-        q = apply_rope(F.linear(q_res, idx.q_b).view(t, c.index_n_heads, c.index_head_dim), cos, sin)
         # same op shapes as transformers' scorer, so near-ties resolve the same way
         scores = torch.matmul(
             q.float().unsqueeze(0), keys.transpose(-1, -2).float().unsqueeze(0).unsqueeze(1)
         )
         scores = F.relu(scores) * c.index_head_dim**-0.5  # [1, T, IH, C]
-        weights = F.linear(h, idx.weights_proj).float() * c.index_n_heads**-0.5  # [T, IH]
         index_scores = (scores * weights.unsqueeze(0).unsqueeze(-1)).sum(dim=2)[0]  # [T, C]
         q_pos = torch.arange(start, start + t, device=self.device)
         visible = ((q_pos + 1) // idx.comp.rate)[:, None]  # blocks completed at each query
@@ -521,8 +535,8 @@ class DeepseekV4Backend:
         return bias[:, :n_rows]
 
     def _moe(self, layer: _Layer, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        c = self.cfg
-        logits = F.linear(h, layer.router)  # [T, E]
+        c, linear = self.cfg, self.ops.linear
+        logits = linear(h, layer.router)  # [T, E]
         scores = F.softplus(logits).sqrt() if c.scoring_func == "sqrtsoftplus" else torch.sigmoid(logits)
         if layer.tid2eid is not None:
             chosen = layer.tid2eid[tokens]  # [T, k]: hash routing, fixed per token id
@@ -537,12 +551,59 @@ class DeepseekV4Backend:
         lim = c.swiglu_limit
         for e in torch.unique(chosen).tolist():
             tok, slot = torch.where(chosen == e)
-            gate, up = F.linear(h[tok], layer.experts_gate_up[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate.clamp(max=lim)) * up.clamp(min=-lim, max=lim), layer.experts_down[e])
+            gate, up = linear(h[tok], layer.experts_gate_up[e]).chunk(2, dim=-1)
+            y = linear(F.silu(gate.clamp(max=lim)) * up.clamp(min=-lim, max=lim), layer.experts_down[e])
             out.index_add_(0, tok, (y * weights[tok, slot, None]).to(out.dtype))
-        gate, up = F.linear(h, layer.shared_gate_up).chunk(2, dim=-1)
-        shared = F.linear(F.silu(gate.clamp(max=lim)) * up.clamp(min=-lim, max=lim), layer.shared_down)
+        gate, up = linear(h, layer.shared_gate_up).chunk(2, dim=-1)
+        shared = linear(F.silu(gate.clamp(max=lim)) * up.clamp(min=-lim, max=lim), layer.shared_down)
         return out + shared
+
+
+@dataclass(frozen=True)
+class _Step:
+    """Where each sequence's tokens sit in one batched forward: sequence b's chunk is rows
+    offsets[b] .. offsets[b] + lengths[b] - 1 of the concatenation, at positions starts[b] ..."""
+
+    starts: tuple[int, ...]
+    lengths: tuple[int, ...]
+    offsets: tuple[int, ...]
+    last_rows: list[int]  # each sequence's last token row (a plain list indexes any device)
+
+    @staticmethod
+    def of(states: Sequence[State], chunks: Sequence[torch.Tensor]) -> _Step:
+        """Validates the step before any state is touched."""
+        if not states or len(states) != len(chunks):
+            raise ValueError(
+                f"step needs one chunk per state, got {len(states)} states and {len(chunks)} chunks"
+            )
+        if len({id(s) for s in states}) != len(states):
+            raise ValueError("step: a state appears twice; each sequence advances once per step")
+        offsets, lengths = [], []
+        off = 0
+        for st, ch in zip(states, chunks, strict=True):
+            if ch.dim() != 1 or ch.shape[0] == 0:
+                raise ValueError(f"tokens must be a non-empty 1-D tensor, got shape {tuple(ch.shape)}")
+            n = int(ch.shape[0])
+            if st.position + n > st.capacity:
+                raise ValueError(
+                    f"state capacity {st.capacity} is too small for {st.position + n} tokens: "
+                    "allocate a larger state"
+                )
+            offsets.append(off)
+            lengths.append(n)
+            off += n
+        return _Step(
+            starts=tuple(s.position for s in states),
+            lengths=tuple(lengths),
+            offsets=tuple(offsets),
+            last_rows=[o + n - 1 for o, n in zip(offsets, lengths, strict=True)],
+        )
+
+    def positions(self, device: torch.device) -> torch.Tensor:
+        """Absolute position of every token [T] int64."""
+        return torch.cat(
+            [torch.arange(s, s + n, device=device) for s, n in zip(self.starts, self.lengths, strict=True)]
+        )
 
 
 def _rope_of(cfg: DeepseekV4Config, params: dict[str, object], device: torch.device) -> Rope:

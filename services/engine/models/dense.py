@@ -289,7 +289,7 @@ class DenseBackend:
             x = x + ops.linear(attn.reshape(t, q_size), layer.w_o, layer.b_o)
             h = ops.rms_norm(x, layer.post_norm, c.rms_norm_eps)
             gate, up = ops.linear(h, layer.w_gate_up, layer.b_gate_up).chunk(2, dim=-1)
-            x = x + ops.linear(F.silu(gate) * up, layer.w_down, layer.b_down)
+            x = x + ops.linear(ops.silu_mul(gate, up), layer.w_down, layer.b_down)
         if all_logits:
             assert len(states) == 1, "all_logits is for one sequence"
         else:
@@ -307,10 +307,11 @@ def _identity(position: int) -> int:
     return position
 
 
-def build(ckpt: Checkpoint, placement: Placement, dtype: torch.dtype, ops: Ops) -> DenseBackend:
+def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype, ops: Ops) -> DenseBackend:
     """Each layer's weights straight onto its stage's device; the embedding on the first
     stage, the final norm and the head on the last."""
     cfg = DenseConfig.from_dict(ckpt.config)
+    placement = Placement.of(where, cfg.num_layers)
     hid, d = cfg.hidden_size, cfg.head_dim
     q_size, kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
     device = placement.first  # where `w` loads to: set per layer, then per stage below

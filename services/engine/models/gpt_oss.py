@@ -236,10 +236,11 @@ class GptOssBackend(SlidingKvBackend):
         return out
 
 
-def build(ckpt: Checkpoint, placement: Placement, dtype: torch.dtype, ops: Ops) -> GptOssBackend:
+def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype, ops: Ops) -> GptOssBackend:
     """Each layer's weights straight onto its stage's device; the embedding on the first
     stage, the final norm and the head on the last."""
     cfg = GptOssConfig.from_dict(ckpt.config)
+    placement = Placement.of(where, cfg.num_layers)
     device = placement.first  # where `w` loads to: set per layer, then per stage below
     hid, d = cfg.hidden_size, cfg.head_dim
     q_size, kv_size = cfg.num_heads * d, cfg.num_kv_heads * d

@@ -279,10 +279,11 @@ class LagunaBackend(SlidingKvBackend):
         return routed * c.routed_scaling + self._mlp(w.shared, h)
 
 
-def build(ckpt: Checkpoint, placement: Placement, dtype: torch.dtype, ops: Ops) -> LagunaBackend:
+def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype, ops: Ops) -> LagunaBackend:
     """Each layer's weights straight onto its stage's device; the embedding on the first
     stage, the final norm and the head on the last."""
     cfg = LagunaConfig.from_dict(ckpt.config)
+    placement = Placement.of(where, cfg.num_layers)
     hid, d, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_kv_heads
     device = placement.first  # where `w` loads to: set per layer, then per stage below
 

@@ -154,6 +154,11 @@ class Placement:
         return Placement(tuple(stages))
 
     @staticmethod
+    def of(where: torch.device | Placement, num_layers: int) -> Placement:
+        """`where` itself, or every layer on that one device."""
+        return where if isinstance(where, Placement) else Placement.single(where, num_layers)
+
+    @staticmethod
     def from_config(layer_split: str, device: str, num_layers: int) -> Placement:
         """`--layer-split` when given, else every layer on `--device`."""
         if layer_split:

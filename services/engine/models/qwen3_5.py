@@ -14,7 +14,13 @@ State, by canonical name (DESIGN.md §2.2):
   `sidecar.logits`   [vocab] float32
 Invariant: fixed-size state tensors are replaced by new tensors at every step, never
 written in place, and K/V rows below `position` are never rewritten; so an exported
-snapshot (views, no copy) stays valid while the live state moves on.
+snapshot (views, no copy) stays valid while the live state moves on. (After a batched
+step the decoded sequences' conv and recurrent tensors are views of one tensor per layer,
+which nothing writes either.)
+
+A step (`step`, and `prefill` / `decode` as a step of one sequence) runs every matrix
+product over all its tokens at once; each sequence's conv window, delta-rule state and
+K/V rows are its own, and all one-token sequences share one conv and one delta-rule call.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from keepwarm.kernels.ops import Ops
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
+Linear = Callable[..., torch.Tensor]  # F.linear or a drop-in for it (Ops.linear)
 
 
 @dataclass(frozen=True)
@@ -319,10 +326,10 @@ class Qwen35Backend:
             else:
                 x = x + self._attention(i, layer.mixer, h, states, step, cos, sin)
             h = rms_norm_1p(x, layer.post_norm, c.rms_norm_eps)
-            x = x + (_mlp(layer.mlp, h) if isinstance(layer.mlp, _Mlp) else _moe(layer.mlp, h))
+            x = x + self._mlp(layer.mlp, h)
         if not all_logits:
             x = x[step.last_rows]
-        logits = F.linear(rms_norm_1p(x, self.final_norm, c.rms_norm_eps), self.lm_head).float()
+        logits = self.ops.linear(rms_norm_1p(x, self.final_norm, c.rms_norm_eps), self.lm_head).float()
         for b, st in enumerate(states):
             st.position = step.starts[b] + step.lengths[b]
             st.logits = logits[-1 if all_logits else b].clone()
@@ -341,7 +348,7 @@ class Qwen35Backend:
             c.linear_key_head_dim,
             c.linear_value_head_dim,
         )
-        mixed, z, b, a = F.linear(h, w.w_in).split([c.conv_dim, c.value_dim, hv, hv], dim=-1)
+        mixed, z, b, a = self.ops.linear(h, w.w_in).split([c.conv_dim, c.value_dim, hv, hv], dim=-1)
         beta = b.sigmoid()
         g = -w.a_log.float().exp() * F.softplus(a.float() + w.dt_bias)  # [T, Hv] float32 log decay
         conv_name, rec_name = f"layers.{i}.conv", f"layers.{i}.recurrent"
@@ -391,7 +398,7 @@ class Qwen35Backend:
         # Gated RMSNorm per value head: norm(out) * w, then * silu(z) in float32, cast back.
         normed = self.ops.rms_norm(out, w.norm, c.rms_norm_eps)
         gated = (normed * F.silu(z.reshape(t, hv, dv).float())).to(h.dtype)
-        return F.linear(gated.reshape(t, c.value_dim), w.w_out)
+        return self.ops.linear(gated.reshape(t, c.value_dim), w.w_out)
 
     def _attention(
         self,
@@ -407,9 +414,9 @@ class Qwen35Backend:
         rows start..start+n-1 and attends over its own rows 0..start+n-1."""
         c, ops = self.cfg, self.ops
         t, d = h.shape[0], c.head_dim
-        qg = F.linear(h, w.w_q).view(t, c.num_heads, 2 * d)
+        qg = self.ops.linear(h, w.w_q).view(t, c.num_heads, 2 * d)
         q, gate = qg[..., :d], qg[..., d:].reshape(t, c.num_heads * d)
-        k, v = F.linear(h, w.w_kv).split([c.num_kv_heads * d, c.num_kv_heads * d], dim=-1)
+        k, v = self.ops.linear(h, w.w_kv).split([c.num_kv_heads * d, c.num_kv_heads * d], dim=-1)
         q = rms_norm_1p(q, w.q_norm, c.rms_norm_eps)
         k = rms_norm_1p(k.view(t, c.num_kv_heads, d), w.k_norm, c.rms_norm_eps)
         v = v.view(t, c.num_kv_heads, d)
@@ -427,7 +434,10 @@ class Qwen35Backend:
             else:
                 outs.append(ops.prefill_attention(q[o : o + n], k_cache[:end], v_cache[:end], self.scale))
         attn = outs[0] if len(outs) == 1 else torch.cat(outs)
-        return F.linear(attn.reshape(t, c.num_heads * d) * torch.sigmoid(gate), w.w_o)
+        return self.ops.linear(attn.reshape(t, c.num_heads * d) * torch.sigmoid(gate), w.w_o)
+
+    def _mlp(self, w: _Mlp | _Moe, h: torch.Tensor) -> torch.Tensor:
+        return _mlp(w, h, self.ops.linear) if isinstance(w, _Mlp) else _moe(w, h, self.ops.linear)
 
 
 @dataclass(frozen=True)
@@ -485,24 +495,24 @@ class _Step:
         )
 
 
-def _mlp(w: _Mlp, h: torch.Tensor) -> torch.Tensor:
-    gate, up = F.linear(h, w.w_gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, w.w_down)
+def _mlp(w: _Mlp, h: torch.Tensor, linear: Linear) -> torch.Tensor:
+    gate, up = linear(h, w.w_gate_up).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, w.w_down)
 
 
-def _moe(w: _Moe, h: torch.Tensor) -> torch.Tensor:
+def _moe(w: _Moe, h: torch.Tensor, linear: Linear) -> torch.Tensor:
     """h [T, hidden] -> [T, hidden], as transformers' Qwen3_5MoeSparseMoeBlock."""
-    router_logits = F.linear(h, w.router)  # [T, E]
+    router_logits = linear(h, w.router)  # [T, E]
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     top_w, top_i = torch.topk(probs, w.top_k, dim=-1)  # [T, k]
     top_w = (top_w / top_w.sum(dim=-1, keepdim=True)).to(router_logits.dtype)
     out = torch.zeros_like(h)
     for e in top_i.unique().tolist():  # only the experts some token routed to
         tok, slot = torch.where(top_i == e)
-        gate, up = F.linear(h[tok], w.gate_up[e]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w.down[e]) * top_w[tok, slot, None]
+        gate, up = linear(h[tok], w.gate_up[e]).chunk(2, dim=-1)
+        y = linear(F.silu(gate) * up, w.down[e]) * top_w[tok, slot, None]
         out.index_add_(0, tok, y.to(out.dtype))
-    return out + torch.sigmoid(F.linear(h, w.shared_gate)) * _mlp(w.shared, h)
+    return out + torch.sigmoid(linear(h, w.shared_gate)) * _mlp(w.shared, h, linear)
 
 
 def geometry_of(cfg: Qwen35Config, dtype: torch.dtype) -> Geometry:

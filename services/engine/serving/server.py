@@ -10,7 +10,7 @@ import shutil
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable
-from dataclasses import asdict, replace
+from dataclasses import asdict, fields, replace
 from typing import Any
 
 from litestar import Litestar, Request, Response, delete, get, post
@@ -20,10 +20,11 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from keepwarm.engine.config import EngineConfig
-from keepwarm.engine.engine import Engine, Event
+from keepwarm.engine.engine import Engine, EngineStats, Event
 from keepwarm.engine.generation.request import FinishEvent, RequestError, TokenEvent
 from keepwarm.engine.serving import wire
 from keepwarm.engine.serving.drain_rate import DrainRate
+from keepwarm.engine.serving.model_set import LOADED, ModelSet, ModelSlot, served_configs
 from keepwarm.engine.serving.openai_format import (
     ChunkWriter,
     LogprobWriter,
@@ -41,14 +42,19 @@ from keepwarm.engine.serving.worker import Job, QueueFull, Worker
 
 
 class EngineCollector:
-    """Reads the engine's counters at scrape time (no duplicated bookkeeping)."""
+    """Reads the engines' counters at scrape time (no duplicated bookkeeping): request and
+    step counters summed over every served model (a model's counters survive its parks),
+    state memory and the RAM tier over the loaded ones, the disk tier (one folder for all
+    models) as the first loaded model's cache sees it; and each model's residency, loads
+    and parks with their durations."""
 
-    def __init__(self, engine: Engine, worker: Worker) -> None:
-        self.engine = engine
+    def __init__(self, models: ModelSet, worker: Worker) -> None:
+        self.models = models
         self.worker = worker
 
     def collect(self) -> Iterable[Metric]:
-        s = self.engine.stats
+        yield from self._model_set()
+        s = _summed([slot.stats for slot in self.models.slots.values()])
         yield CounterMetricFamily("keepwarm_requests", "Generation requests", value=s.requests)
         yield CounterMetricFamily("keepwarm_prompt_tokens", "Prompt tokens", value=s.prompt_tokens)
         cached = CounterMetricFamily(
@@ -90,23 +96,65 @@ class EngineCollector:
         yield CounterMetricFamily(
             "keepwarm_preemptions", "Sequences preempted (snapshot to RAM) for memory", value=s.preemptions
         )
+        engines = self.models.engines()
         yield GaugeMetricFamily(
-            "keepwarm_state_memory_bytes", "Sequence state memory in use", value=self.engine.memory.used_bytes
+            "keepwarm_state_memory_bytes",
+            "Sequence state memory in use",
+            value=sum(e.memory.used_bytes for e in engines),
         )
         yield GaugeMetricFamily(
             "keepwarm_state_memory_budget_bytes",
-            "Sequence state memory budget",
-            value=self.engine.memory.budget_bytes,
+            "Sequence state memory budget (each loaded model has one; summed)",
+            value=sum(e.memory.budget_bytes for e in engines),
         )
-        mem = self.engine.cache.memory
-        if mem is not None:
-            ms = mem.stats()
-            yield GaugeMetricFamily("keepwarm_memory_cache_entries", "RAM tier entries", value=ms.entries)
-            yield GaugeMetricFamily("keepwarm_memory_cache_bytes", "RAM tier bytes", value=ms.bytes)
-            yield CounterMetricFamily(
-                "keepwarm_memory_cache_evictions", "RAM tier evictions", value=ms.evictions
+        mems = [e.cache.memory.stats() for e in engines if e.cache.memory is not None]
+        if mems:
+            yield GaugeMetricFamily(
+                "keepwarm_memory_cache_entries", "RAM tier entries", value=sum(m.entries for m in mems)
             )
-        disk = self.engine.cache.disk
+            yield GaugeMetricFamily(
+                "keepwarm_memory_cache_bytes", "RAM tier bytes", value=sum(m.bytes for m in mems)
+            )
+            yield CounterMetricFamily(
+                "keepwarm_memory_cache_evictions", "RAM tier evictions", value=sum(m.evictions for m in mems)
+            )
+        if engines:
+            yield from self._disk(engines[0])
+
+    def _model_set(self) -> Iterable[Metric]:
+        loaded = GaugeMetricFamily(
+            "keepwarm_model_loaded", "1 while the model's weights are loaded", labels=["model"]
+        )
+        size = GaugeMetricFamily(
+            "keepwarm_model_weight_bytes", "The model's weights when loaded", labels=["model"]
+        )
+        loads = CounterMetricFamily("keepwarm_model_loads", "Model loads (first request, or back from parked)",
+                                    labels=["model"])  # fmt: skip
+        load_s = CounterMetricFamily(
+            "keepwarm_model_load_seconds", "Time spent loading models", labels=["model"]
+        )
+        parks = CounterMetricFamily(
+            "keepwarm_model_parks", "Models parked for --models-budget", labels=["model"]
+        )
+        park_s = CounterMetricFamily(
+            "keepwarm_model_park_seconds", "Time spent parking models", labels=["model"]
+        )
+        for slot in self.models.slots.values():
+            name = [slot.name]
+            loaded.add_metric(name, 1 if slot.residency == LOADED else 0)
+            size.add_metric(name, slot.weight_bytes)
+            loads.add_metric(name, slot.loads)
+            load_s.add_metric(name, slot.load_seconds)
+            parks.add_metric(name, slot.parks)
+            park_s.add_metric(name, slot.park_seconds)
+        yield from (loaded, size, loads, load_s, parks, park_s)
+        yield GaugeMetricFamily(
+            "keepwarm_models_budget_bytes", "Weights the loaded models may hold together (0: no limit)",
+            value=self.models.budget_bytes,
+        )  # fmt: skip
+
+    def _disk(self, engine: Engine) -> Iterable[Metric]:
+        disk = engine.cache.disk
         if disk is not None:
             ds = disk.stats()
             yield GaugeMetricFamily("keepwarm_disk_cache_entries", "Disk tier entries", value=ds.num_entries)
@@ -158,6 +206,20 @@ class EngineCollector:
             )
 
 
+def _summed(stats: list[EngineStats]) -> EngineStats:
+    """Every counter of `stats` added up."""
+    out = EngineStats()
+    for st in stats:
+        for f in fields(EngineStats):
+            mine, theirs = getattr(out, f.name), getattr(st, f.name)
+            if isinstance(mine, dict):
+                for k, v in theirs.items():
+                    mine[k] = mine.get(k, 0) + v
+            else:
+                setattr(out, f.name, mine + theirs)
+    return out
+
+
 def _sse(obj: dict[str, Any] | str | bytes) -> bytes:
     if isinstance(obj, bytes):
         return b"data: " + obj + b"\n\n"
@@ -176,7 +238,9 @@ def _present(data: wire.T | None) -> wire.T:
 _GENERATE_ERRORS = wire.error_responses(400, 401, 404, 413, 429)
 
 
-def create_app(engine: Engine, cfg: EngineConfig) -> Litestar:
+def create_app(models: ModelSet, cfg: EngineConfig) -> Litestar:
+    """The HTTP service over `models` (one or several); `cfg` holds the serving settings
+    (limits, keep-alives, the token), the same for every model."""
     registry = CollectorRegistry()
     ttft = Histogram(
         "keepwarm_ttft_seconds",
@@ -192,27 +256,13 @@ def create_app(engine: Engine, cfg: EngineConfig) -> Litestar:
             ttft.observe(ev.timings.ttft_ms / 1000)
             drain.finished(max(0, worker.depth - 1))
 
-    worker = Worker(engine, on_event=observe)
-    registry.register(EngineCollector(engine, worker))  # type: ignore[arg-type]
-    model_id = cfg.served_name
-    card = wire.ModelCard(
-        id=model_id,
-        created=_written_at(cfg.model),
-        owned_by="keepwarm",
-        max_model_len=cfg.max_context,
-        family=engine.backend.family,
-    )
+    worker = Worker(models, on_event=observe)
+    registry.register(EngineCollector(models, worker))  # type: ignore[arg-type]
 
-    def check_model(name: str | None) -> None:
-        """`model` names this engine's model (or the alias for it, or is left out); else a 404."""
-        if name is None or name in (model_id, wire.DEFAULT_MODEL):
-            return
-        raise RequestError(
-            f"model {name!r} is not served here; this engine serves {model_id!r} "
-            f"(also accepted as {wire.DEFAULT_MODEL!r})",
-            status=404,
-            param="model",
-        )
+    async def acquire(slot: ModelSlot) -> Engine:
+        """The model's engine (loaded now when parked), pinned until `models.release(slot)`."""
+        _, engine = await asyncio.to_thread(models.acquire, slot.name)
+        return engine
 
     def error(e: Exception) -> Response[Any]:
         if isinstance(e, wire.WireError):
@@ -255,13 +305,13 @@ def create_app(engine: Engine, cfg: EngineConfig) -> Litestar:
             raise item
         return item
 
-    tool_format = detect_format(engine.template.source)
-    thinks = uses_think_tags(engine.template.source)
-
-    def reply_shape(tools_enabled: bool, parallel: bool, prompt_tokens: list[int]) -> ReplyShape:
+    def reply_shape(
+        engine: Engine, tools_enabled: bool, parallel: bool, prompt_tokens: list[int]
+    ) -> ReplyShape:
+        thinks = uses_think_tags(engine.template.source)
         tail = engine.tokenizer.decode(prompt_tokens[-16:], skip_special_tokens=False) if thinks else ""
         return ReplyShape(
-            tool_format=tool_format if tools_enabled else None,
+            tool_format=detect_format(engine.template.source) if tools_enabled else None,
             first_call_only=not parallel,
             reasoning=thinks,
             starts_in_reasoning=thinks and prompt_opens_reasoning(tail),
@@ -274,15 +324,20 @@ def create_app(engine: Engine, cfg: EngineConfig) -> Litestar:
     ) -> Response[Any]:
         """OpenAI Chat Completions (streamed as SSE with `stream: true`)."""
         body = _present(data)
-        check_model(body.model)
-        call = parse_chat_request(body, cfg.max_tokens_limit, engine.default_policy)
+        slot = models.slot(body.model)
+        model_id = slot.name
+        call = parse_chat_request(body, cfg.max_tokens_limit, slot.cfg.policy)
         req = call.request
-        prompt = await asyncio.to_thread(engine.prepare, req)
-        shape = reply_shape(call.tools_enabled, call.parallel_tool_calls, prompt.tokens)
-        rid = "chatcmpl-" + uuid.uuid4().hex[:24]
-        if worker.depth == 0:
-            drain.busy()
-        job = worker.submit(req, prompt)
+        engine = await acquire(slot)
+        try:
+            prompt = await asyncio.to_thread(engine.prepare, req)
+            shape = reply_shape(engine, call.tools_enabled, call.parallel_tool_calls, prompt.tokens)
+            rid = "chatcmpl-" + uuid.uuid4().hex[:24]
+            if worker.depth == 0:
+                drain.busy()
+            job = worker.submit(engine, req, prompt)
+        finally:
+            models.release(slot)
         logprobs = LogprobWriter(engine.tokenizer) if req.logprobs else None
         if not call.stream:
             got = await _complete(job, request, _collect(job, req.n))
@@ -294,7 +349,7 @@ def create_app(engine: Engine, cfg: EngineConfig) -> Litestar:
                 media_type="application/json",
             )
         return Stream(
-            _stream(job, ChunkWriter(rid, model_id, shape, call.include_usage, req.n, logprobs)),
+            _stream(job, engine, ChunkWriter(rid, model_id, shape, call.include_usage, req.n, logprobs)),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -306,21 +361,26 @@ def create_app(engine: Engine, cfg: EngineConfig) -> Litestar:
     ) -> Response[Any]:
         """OpenAI (legacy) Completions: a raw prompt, text or token ids."""
         body = _present(data)
-        check_model(body.model)
-        call = parse_completion_request(body, cfg.max_tokens_limit, engine.default_policy)
+        slot = models.slot(body.model)
+        model_id = slot.name
+        call = parse_completion_request(body, cfg.max_tokens_limit, slot.cfg.policy)
         req = call.request
-        if call.prompt_text is not None:
-            ids = await asyncio.to_thread(engine.tokenizer.encode, call.prompt_text, True)
-            req = replace(req, prompt_tokens=tuple(ids))
-        if any(t >= engine.tokenizer.vocab_size for t in req.prompt_tokens or ()):
-            raise RequestError(
-                f"prompt token ids must be below {engine.tokenizer.vocab_size}", param="prompt"
-            )
-        prompt = await asyncio.to_thread(engine.prepare, req)
-        rid = "cmpl-" + uuid.uuid4().hex[:24]
-        if worker.depth == 0:
-            drain.busy()
-        job = worker.submit(req, prompt)
+        engine = await acquire(slot)
+        try:
+            if call.prompt_text is not None:
+                ids = await asyncio.to_thread(engine.tokenizer.encode, call.prompt_text, True)
+                req = replace(req, prompt_tokens=tuple(ids))
+            if any(t >= engine.tokenizer.vocab_size for t in req.prompt_tokens or ()):
+                raise RequestError(
+                    f"prompt token ids must be below {engine.tokenizer.vocab_size}", param="prompt"
+                )
+            prompt = await asyncio.to_thread(engine.prepare, req)
+            rid = "cmpl-" + uuid.uuid4().hex[:24]
+            if worker.depth == 0:
+                drain.busy()
+            job = worker.submit(engine, req, prompt)
+        finally:
+            models.release(slot)
         if not call.stream:
             ev = await _complete(job, request)
             if ev is None:
@@ -329,7 +389,7 @@ def create_app(engine: Engine, cfg: EngineConfig) -> Litestar:
                 text_completion_body(rid, model_id, ev, engine.namespace), media_type="application/json"
             )
         return Stream(
-            _stream_text(job, rid, call.include_usage),
+            _stream_text(job, engine, rid, model_id, call.include_usage),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -339,13 +399,15 @@ def create_app(engine: Engine, cfg: EngineConfig) -> Litestar:
     async def tokenize(data: wire.TokenizeRequest | None = None) -> wire.TokenizeResponse:
         """Token ids of a text prompt, or of messages rendered by the chat template."""
         body = _present(data)
-        check_model(body.model)
+        slot = models.slot(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise RequestError("send exactly one of prompt (text) or messages (a chat)", param="prompt")
         if body.prompt is not None:
             if body.tools is not None or body.chat_template_kwargs is not None:
                 raise RequestError("tools and chat_template_kwargs apply to messages only", param="tools")
             add = True if body.add_special_tokens is None else body.add_special_tokens
+            engine = await acquire(slot)
+            models.release(slot)  # the tokenizer outlives a park
             ids = await asyncio.to_thread(engine.tokenizer.encode, body.prompt, add)
         else:
             if body.add_special_tokens is not None:
@@ -356,9 +418,11 @@ def create_app(engine: Engine, cfg: EngineConfig) -> Litestar:
             chat = parse_chat_request(
                 wire.encode({"messages": body.messages, "tools": body.tools,
                              "chat_template_kwargs": body.chat_template_kwargs}),
-                cfg.max_tokens_limit, engine.default_policy, trusted=False,
+                cfg.max_tokens_limit, slot.cfg.policy, trusted=False,
             )  # fmt: skip
             req = chat.request
+            engine = await acquire(slot)
+            models.release(slot)  # the template outlives a park
             try:
                 rendered = await asyncio.to_thread(
                     engine.template.encode_chat,
@@ -379,7 +443,9 @@ def create_app(engine: Engine, cfg: EngineConfig) -> Litestar:
     async def detokenize(data: wire.DetokenizeRequest | None = None) -> wire.DetokenizeResponse:
         """The text of token ids (special tokens kept)."""
         body = _present(data)
-        check_model(body.model)
+        slot = models.slot(body.model)
+        engine = await acquire(slot)
+        models.release(slot)  # the tokenizer outlives a park
         if any(t >= engine.tokenizer.vocab_size for t in body.tokens):
             raise RequestError(f"token ids must be below {engine.tokenizer.vocab_size}", param="tokens")
         return wire.DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens, skip_special_tokens=False))
@@ -422,7 +488,7 @@ def create_app(engine: Engine, cfg: EngineConfig) -> Litestar:
             if ev is None:
                 raise RuntimeError("generation ended without a finish event")
 
-    async def _stream(job: Job, out: ChunkWriter) -> AsyncIterator[bytes]:
+    async def _stream(job: Job, engine: Engine, out: ChunkWriter) -> AsyncIterator[bytes]:
         try:
             for chunk in out.starts():
                 yield _sse(chunk)
@@ -450,7 +516,9 @@ def create_app(engine: Engine, cfg: EngineConfig) -> Litestar:
         finally:
             job.cancelled.set()
 
-    async def _stream_text(job: Job, rid: str, include_usage: bool) -> AsyncIterator[bytes]:
+    async def _stream_text(
+        job: Job, engine: Engine, rid: str, model_id: str, include_usage: bool
+    ) -> AsyncIterator[bytes]:
         created = int(time.time())
         try:
             while True:
@@ -487,16 +555,18 @@ def create_app(engine: Engine, cfg: EngineConfig) -> Litestar:
             job.cancelled.set()
 
     @get("/v1/models", responses=wire.error_responses(401))
-    async def models() -> wire.ModelList:
-        """The model this engine serves."""
-        return wire.ModelList(data=[card])
+    async def list_models() -> wire.ModelList:
+        """The models this engine serves (the first is the default), each with its residency."""
+        return wire.ModelList(data=[slot.card() for slot in models.slots.values()])
 
     @get("/health")
     async def health() -> dict[str, Any]:
+        default = models.slots[models.default]
         return {
             "status": "ok",
-            "model": model_id,
-            "namespace": engine.namespace,
+            "model": default.name,
+            "namespace": default.namespace,
+            "models": {s.name: s.residency for s in models.slots.values()},
             "queue_depth": worker.depth,
             "running": worker.num_running,
             "waiting": worker.num_waiting,
@@ -507,16 +577,28 @@ def create_app(engine: Engine, cfg: EngineConfig) -> Litestar:
         return generate_latest(registry)
 
     @get("/v1/cache")
-    async def cache_info(limit: int = 100) -> dict[str, Any]:
-        return await asyncio.to_thread(_cache_info, engine, limit)
+    async def cache_info(limit: int = 100, model: str | None = None) -> dict[str, Any]:
+        """The named model's cache (the default model's without `model`)."""
+        slot = models.slot(model)
+        engine = await acquire(slot)
+        try:
+            return await asyncio.to_thread(_cache_info, engine, limit)
+        finally:
+            models.release(slot)
 
     @delete("/v1/cache", status_code=200)
-    async def cache_clear() -> dict[str, Any]:
-        return {"deleted": await asyncio.to_thread(_clear, engine)}
+    async def cache_clear(model: str | None = None) -> dict[str, Any]:
+        """Delete the named model's entries (the default model's without `model`)."""
+        slot = models.slot(model)
+        engine = await acquire(slot)
+        try:
+            return {"deleted": await asyncio.to_thread(_clear, engine)}
+        finally:
+            models.release(slot)
 
     async def shutdown() -> None:
         await asyncio.to_thread(worker.stop)
-        await asyncio.to_thread(engine.close)
+        await asyncio.to_thread(models.close)
 
     async def only_the_gateway(request: Request[Any, Any, Any]) -> Response[Any] | None:
         """With an engine token set, every endpoint but /health (metrics included:
@@ -537,7 +619,7 @@ def create_app(engine: Engine, cfg: EngineConfig) -> Litestar:
             completions,
             tokenize,
             detokenize,
-            models,
+            list_models,
             health,
             metrics,
             cache_info,
@@ -550,14 +632,6 @@ def create_app(engine: Engine, cfg: EngineConfig) -> Litestar:
         openapi_config=OpenAPIConfig(title="keepwarm engine", version="0.1.0", path="/schema"),
         plugins=[wire.ClosedStructSchema()],
     )
-
-
-def _written_at(model: Any) -> int:
-    """When the checkpoint was written (its config.json's mtime): OpenAI's `created`."""
-    try:
-        return int((model / "config.json").stat().st_mtime)
-    except OSError:
-        return int(model.stat().st_mtime)
 
 
 async def _until_disconnect(request: Request[Any, Any, Any]) -> None:
@@ -609,12 +683,19 @@ def _clear(engine: Engine) -> int:
 def serve(cfg: EngineConfig) -> None:
     import uvicorn
 
-    engine = Engine(cfg)
-    engine.calibrate()  # a short warm-up, only when no prefill cost model was persisted
-    app = create_app(engine, cfg)
+    models = ModelSet(served_configs(cfg), cfg.models_budget)
+    # the default model loads now (errors surface at start); the others on their first request
+    slot, engine = models.acquire(None)
+    models.release(slot)
+    app = create_app(models, cfg)
+    others = (
+        f"; also serving {', '.join(list(models.slots)[1:])} (loaded on demand)"
+        if len(models.slots) > 1
+        else ""
+    )
     print(
-        f"keepwarm engine: {cfg.served_name} on http://{cfg.host}:{cfg.port} "
-        f"(namespace {engine.namespace[:12]}, cache {cfg.cache_dir})",
+        f"keepwarm engine: {slot.name} on http://{cfg.host}:{cfg.port} "
+        f"(namespace {engine.namespace[:12]}, cache {cfg.cache_dir}){others}",
         flush=True,
     )
     if not cfg.engine_token:

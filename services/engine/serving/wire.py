@@ -279,6 +279,7 @@ class ModelCard(Struct):
     max_model_len: int
     object: str = "model"
     family: str | UnsetType = UNSET  # engine only: the backend family that serves it
+    residency: str | UnsetType = UNSET  # engine only: "loaded" (weights in memory) or "parked"
 
 
 class ModelList(Struct):

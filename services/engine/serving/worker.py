@@ -1,5 +1,5 @@
-"""The generation loop thread: steps the engine while any sequence is queued or
-running, and sleeps otherwise. Jobs hand events to the asyncio side through
+"""The generation loop thread: steps the engines of a ModelSet (round-robin over the
+models with work) while any sequence is queued or running, and sleeps otherwise. Jobs hand events to the asyncio side through
 `loop.call_soon_threadsafe`; a cancelled job (client gone) is dropped at the
 next step, which frees its state."""
 
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from keepwarm.engine.engine import Engine, Event, Prompt, QueueFull
 from keepwarm.engine.generation.request import FinishEvent, GenerateRequest
 from keepwarm.engine.generation.sequence import Sequence, Status
+from keepwarm.engine.serving.model_set import ModelSet
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +26,7 @@ class Job:
     request: GenerateRequest
     prompt: Prompt
     loop: asyncio.AbstractEventLoop
+    engine: Engine
     events: asyncio.Queue[Event | BaseException | None] = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     seq: Sequence | None = None
@@ -34,10 +36,10 @@ class Job:
 
 
 class Worker:
-    def __init__(self, engine: Engine, on_event: Callable[[Event], None] | None = None) -> None:
-        self.engine = engine
+    def __init__(self, models: ModelSet, on_event: Callable[[Event], None] | None = None) -> None:
+        self.models = models
         self.on_event = on_event
-        self.jobs: dict[int, Job] = {}  # seq_id -> job, for failing a broken step's sequences
+        self.jobs: dict[int, Job] = {}  # id(job) -> job, for failing a broken step's sequences
         self.wake = threading.Event()
         self.stopping = False
         self.thread = threading.Thread(target=self._run, name="keepwarm-generation", daemon=True)
@@ -45,19 +47,20 @@ class Worker:
 
     @property
     def num_running(self) -> int:
-        return len(self.engine.scheduler.running)
+        return self.models.num_running
 
     @property
     def num_waiting(self) -> int:
-        return self.engine.num_waiting
+        return self.models.num_waiting
 
     @property
     def depth(self) -> int:
         return self.num_running + self.num_waiting
 
-    def submit(self, request: GenerateRequest, prompt: Prompt) -> Job:
-        """Queue a request; raises QueueFull when the waiting queue is full."""
-        job = Job(request, prompt, asyncio.get_running_loop())
+    def submit(self, engine: Engine, request: GenerateRequest, prompt: Prompt) -> Job:
+        """Queue a request on one model's engine (acquired from the ModelSet); raises
+        QueueFull when its waiting queue is full."""
+        job = Job(request, prompt, asyncio.get_running_loop(), engine)
 
         finishes = 0
 
@@ -71,8 +74,8 @@ class Worker:
                 if finishes == request.n:  # every choice has ended
                     job.push(None)
 
-        job.seq = self.engine.submit(request, deliver, job.cancelled.is_set, prompt)
-        self.jobs[job.seq.seq_id] = job
+        job.seq = engine.submit(request, deliver, job.cancelled.is_set, prompt)
+        self.jobs[id(job)] = job
         self.wake.set()
         return job
 
@@ -83,27 +86,27 @@ class Worker:
 
     def _run(self) -> None:
         while not self.stopping:
-            if not self.engine.has_work():
+            if not self.models.has_work():
                 self.wake.wait(timeout=0.5)
                 self.wake.clear()
                 continue
             try:
-                self.engine.step()
-            except BaseException as e:  # a broken step: fail what it held, keep serving
+                self.models.step()
+            except BaseException as e:  # a broken step: fail what its engine held, keep serving
                 log.exception("engine step failed")
-                self._fail_all(e)
+                self._fail_all(e, self.models.last_stepped)
             self._forget_finished()
 
-    def _fail_all(self, error: BaseException) -> None:
-        for seq_id, job in list(self.jobs.items()):
+    def _fail_all(self, error: BaseException, engine: Engine | None) -> None:
+        for key, job in list(self.jobs.items()):
             seq = job.seq
             assert seq is not None
-            self.engine.abandon(seq)
+            if engine is not None and job.engine is not engine:
+                continue
+            job.engine.abandon(seq)
             job.push(error)
-            del self.jobs[seq_id]
+            del self.jobs[key]
 
     def _forget_finished(self) -> None:
-        for seq_id in [
-            i for i, j in self.jobs.items() if j.seq is not None and j.seq.status is Status.FINISHED
-        ]:
-            del self.jobs[seq_id]
+        for key in [i for i, j in self.jobs.items() if j.seq is not None and j.seq.status is Status.FINISHED]:
+            del self.jobs[key]

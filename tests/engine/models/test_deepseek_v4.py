@@ -417,3 +417,81 @@ def test_bad_config_raises_with_a_fix() -> None:
         DeepseekV4Config.from_dict({**cfg, "num_key_value_heads": 2})
     with pytest.raises(CheckpointError, match="'q_lora_rank' is missing"):
         DeepseekV4Config.from_dict({k: v for k, v in cfg.items() if k != "q_lora_rank"})
+
+
+# -- batched step ------------------------------------------------------------------
+# Per step, each sequence's chunk size (0: it sits this step out; 1: a greedy decode of its
+# own last logits). Starts in PREFIXES put the 7- and 19-token chunks and the decodes at
+# every phase of the windows, the compressor blocks and their overlaps.
+PREFIXES = (5, 12, 0, 30, 3, 23)
+PLAN = (
+    (1, 1, 7, 19, 7, 1),
+    (1, 19, 1, 1, 0, 7),
+    (7, 1, 19, 7, 1, 1),
+    (1, 1, 1, 1, 1, 1),
+    (19, 7, 1, 0, 19, 1),
+    (1, 1, 7, 1, 1, 19),
+)
+
+
+def _run_batched_plan(
+    backend: DeepseekV4Backend, together: bool
+) -> tuple[list[list[int]], list[torch.Tensor], list[Any]]:
+    """Runs PLAN with one `step` per plan row (together) or one `prefill` per chunk; returns
+    each sequence's greedy tokens, every logits row in order, and the final states."""
+    states = []
+    for j, n in enumerate(PREFIXES):
+        st = backend.new_state(128)
+        if n:
+            backend.prefill(st, _prompt(n, seed=20 + j))
+        states.append(st)
+    greedy: list[list[int]] = [[] for _ in states]
+    rows: list[torch.Tensor] = []
+    for r, sizes in enumerate(PLAN):
+        live = [j for j, n in enumerate(sizes) if n]
+        chunks = []
+        for j in live:
+            if sizes[j] == 1 and states[j].logits is not None:
+                greedy[j].append(int(states[j].logits.argmax()))
+                chunks.append(torch.tensor([greedy[j][-1]]))
+            else:
+                chunks.append(_prompt(sizes[j], seed=100 * r + j))
+        if together:
+            out = backend.step([states[j] for j in live], chunks)
+            assert out.shape == (len(live), VOCAB) and out.dtype == torch.float32
+            rows += list(out)
+        else:
+            rows += [backend.prefill(states[j], c) for j, c in zip(live, chunks, strict=True)]
+    return greedy, rows, states
+
+
+def test_batched_step_equals_each_alone(pair: tuple[Any, DeepseekV4Backend]) -> None:
+    _, backend = pair
+    solo_tokens, solo_rows, solo_states = _run_batched_plan(backend, together=False)
+    tokens, rows, states = _run_batched_plan(backend, together=True)
+    assert tokens == solo_tokens and sum(len(t) for t in tokens) >= 15
+    assert len(rows) == len(solo_rows)
+    for a, b in zip(rows, solo_rows, strict=True):
+        assert (a - b).abs().max().item() <= 1e-4
+    for st, ref in zip(states, solo_states, strict=True):
+        assert st.position == ref.position
+        assert (st.logits - ref.logits).abs().max().item() <= 1e-4
+        got, want = backend.export(st).tensors, backend.export(ref).tensors
+        for name, t in want.items():
+            assert got[name].shape == t.shape, name
+            assert torch.allclose(got[name], t, rtol=0, atol=1e-4), name
+
+
+def test_batched_step_rejects_bad_input_before_any_write(backend_a: DeepseekV4Backend) -> None:
+    a, b = backend_a.new_state(10), backend_a.new_state(10)
+    backend_a.prefill(a, _prompt(6))
+    before = {k: v.clone() for k, v in backend_a.export(a).tensors.items()}
+    with pytest.raises(ValueError, match="capacity 10"):
+        backend_a.step([a, b], [torch.tensor([1]), _prompt(11)])
+    with pytest.raises(ValueError, match="appears twice"):
+        backend_a.step([a, a], [torch.tensor([1]), torch.tensor([2])])
+    with pytest.raises(ValueError, match="non-empty"):
+        backend_a.step([a, b], [torch.tensor([1]), torch.zeros(0, dtype=torch.int64)])
+    assert a.position == 6 and b.position == 0
+    for k, v in backend_a.export(a).tensors.items():
+        assert torch.equal(v, before[k]), k

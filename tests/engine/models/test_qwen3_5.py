@@ -368,3 +368,112 @@ def test_moe_variant_matches_transformers(tmp_path: Path) -> None:
     ours.prefill(st, tokens[:20])
     ours.prefill(st, tokens[20:44])
     assert (ours.decode(st, int(tokens[44])) - ref[-1]).abs().max().item() <= 1e-4
+
+
+# -- batched step ------------------------------------------------------------------
+# Per step, each sequence's chunk size (0: it sits this step out; 1: a greedy decode of its
+# own last logits). Sequences start at the positions in PREFIXES, so every step mixes
+# decodes with 7- and 19-token chunks at different offsets (conv windows split anywhere).
+PREFIXES = (5, 12, 0, 30, 3)
+PLAN = (
+    (1, 1, 7, 19, 7),
+    (1, 19, 1, 1, 0),
+    (7, 1, 19, 7, 1),
+    (1, 1, 1, 1, 1),
+    (19, 7, 1, 0, 19),
+)
+
+
+def _run_batched_plan(
+    backend: Qwen35Backend, together: bool
+) -> tuple[list[list[int]], list[torch.Tensor], list]:
+    """Runs PLAN with one `step` per plan row (together) or one `prefill` per chunk; returns
+    each sequence's greedy tokens, every logits row in order, and the final states."""
+    states = []
+    for j, n in enumerate(PREFIXES):
+        st = backend.new_state(128)
+        if n:
+            backend.prefill(st, _prompt(n, seed=20 + j))
+        states.append(st)
+    greedy: list[list[int]] = [[] for _ in states]
+    rows: list[torch.Tensor] = []
+    for r, sizes in enumerate(PLAN):
+        live = [j for j, n in enumerate(sizes) if n]
+        chunks = []
+        for j in live:
+            if sizes[j] == 1 and states[j].logits is not None:
+                greedy[j].append(int(states[j].logits.argmax()))
+                chunks.append(torch.tensor([greedy[j][-1]]))
+            else:
+                chunks.append(_prompt(sizes[j], seed=100 * r + j))
+        if together:
+            out = backend.step([states[j] for j in live], chunks)
+            assert out.shape == (len(live), backend.vocab_size) and out.dtype == torch.float32
+            rows += list(out)
+        else:
+            rows += [backend.prefill(states[j], c) for j, c in zip(live, chunks, strict=True)]
+    return greedy, rows, states
+
+
+def test_batched_step_equals_each_alone(backend: Qwen35Backend) -> None:
+    solo_tokens, solo_rows, solo_states = _run_batched_plan(backend, together=False)
+    tokens, rows, states = _run_batched_plan(backend, together=True)
+    assert tokens == solo_tokens and sum(len(t) for t in tokens) >= 10
+    assert len(rows) == len(solo_rows)
+    for a, b in zip(rows, solo_rows, strict=True):
+        assert (a - b).abs().max().item() <= 1e-4
+    for st, ref in zip(states, solo_states, strict=True):
+        assert st.position == ref.position
+        assert st.logits is not None and ref.logits is not None and st.logits.dtype == torch.float32
+        assert (st.logits - ref.logits).abs().max().item() <= 1e-4
+        got, want = backend.export(st).tensors, backend.export(ref).tensors
+        for name, t in want.items():
+            assert got[name].shape == t.shape, name
+            assert (got[name] - t).abs().max().item() <= 1e-4, name
+
+
+def test_batched_step_exported_views_survive_the_next_step(backend: Qwen35Backend) -> None:
+    """A snapshot taken between steps stays valid while the sequences move on together."""
+    a, b = backend.new_state(40), backend.new_state(40)
+    backend.prefill(a, _prompt(9, seed=30))
+    backend.prefill(b, _prompt(14, seed=31))
+    backend.step([a, b], [torch.tensor([3]), torch.tensor([4])])
+    snap = backend.export(a)
+    stored = snap.detached()
+    backend.step([a, b], [torch.tensor([5]), _prompt(7, seed=32)])
+    for name, t in stored.tensors.items():
+        assert torch.equal(snap.tensors[name], t), name
+
+
+def test_batched_step_rejects_bad_input_before_any_write(backend: Qwen35Backend) -> None:
+    a, b = backend.new_state(10), backend.new_state(10)
+    backend.prefill(a, _prompt(4))
+    before = {k: v.clone() for k, v in a.tensors.items()}
+    with pytest.raises(ValueError, match="capacity 10"):
+        backend.step([a, b], [torch.tensor([1]), _prompt(11)])
+    with pytest.raises(ValueError, match="appears twice"):
+        backend.step([a, a], [torch.tensor([1]), torch.tensor([2])])
+    with pytest.raises(ValueError, match="one chunk per state"):
+        backend.step([a, b], [torch.tensor([1])])
+    assert a.position == 4 and b.position == 0
+    for k, v in a.tensors.items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_triton_delta_rule_batched_decode(
+    hf_model: tuple[Qwen3_5ForCausalLM, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decodes of several sequences folded into one Triton delta-rule call (interpreter)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    _, path = hf_model
+    ref = build(open_checkpoint(path), CPU, torch.float32, TORCH_OPS)
+    tri = build(open_checkpoint(path), CPU, torch.float32, TORCH_OPS)
+    tri.delta_rule = TRITON_DELTA_RULE
+
+    def run(b: Qwen35Backend) -> torch.Tensor:
+        states = [b.new_state(24) for _ in range(3)]
+        for j, st in enumerate(states):
+            b.prefill(st, _prompt(6 + 4 * j, seed=40 + j))
+        return b.step(states, [torch.tensor([7]), torch.tensor([8]), _prompt(5, seed=43)])
+
+    assert (run(tri) - run(ref)).abs().max().item() <= 1e-4

@@ -1,0 +1,303 @@
+// Causal attention on CPU whose result for a query row depends only on that row's query and
+// the keys/values it sees: a prefill chunk of any length, a decode step and a restore tail
+// compute each row with the same instructions in the same order.
+//
+//   attention(q [T, Hq, D], k [S, Hkv, D], v [S, Hkv, D], scale, window) -> [T, Hq, D]
+//   query t sits at position p = S - T + t and sees keys max(0, p - window + 1) .. p (window
+//   0: all); query head h reads kv head h / (Hq / Hkv). bf16 or fp32 in, same dtype out,
+//   fp32 arithmetic.
+//
+// The order for one query row (the contract): keys in tiles of 16 at fixed absolute positions
+// (tile j holds keys 16 j .. 16 j + 15, from the first tile the row sees to the tile of p);
+// per tile, each score is one chain of fused multiply-adds over d = 0 .. D-1 from 0, times
+// `scale`; keys outside the row's range are masked (score -inf, weight exactly 0); online
+// softmax per tile: m' = max(m, tile max), alpha = exp(m - m') (0 on the first tile),
+// l = l * alpha + hsum16(exp(s - m')), o = o * alpha, then o += w_i * v_i for the tile's
+// keys in increasing position (one fused multiply-add per 16 lanes of D); out = o / l.
+// Rows share loads (8 rows per group) but never accumulators, and threads split heads and
+// row groups, never a row's keys.
+// Compiled with -mavx512f -mavx512bw -mavx512vl -ffp-contract=off.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "vec_math.h"
+
+namespace {
+
+using keepwarm::exp512;
+using keepwarm::hsum16;
+
+constexpr int kTile = 16;  // keys per tile (one zmm of scores)
+constexpr int kRows = 8;   // query rows sharing each key-tile load
+
+struct Shape {
+  int64_t T, S, Hq, Hkv, G, D, DV, Spad, window;
+  float scale;
+};
+
+// r[i] (row i, 16 columns) -> r[j] (column j, 16 rows): unpack pairs, then 4x4 blocks of
+// 128-bit lanes.
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  // r[4 i + j], 128-bit lane L: rows 4 i .. 4 i + 3 of column 4 L + j
+  for (int j = 0; j < 4; ++j) {
+    t[j] = _mm512_shuffle_f32x4(r[j], r[4 + j], _MM_SHUFFLE(2, 0, 2, 0));       // L0,L2 of rows 0-3 | 4-7
+    t[4 + j] = _mm512_shuffle_f32x4(r[j], r[4 + j], _MM_SHUFFLE(3, 1, 3, 1));   // L1,L3
+    t[8 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], _MM_SHUFFLE(2, 0, 2, 0));
+    t[12 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], _MM_SHUFFLE(3, 1, 3, 1));
+  }
+  // t[j]: [c_j r0-3, c_(8+j) r0-3, c_j r4-7, c_(8+j) r4-7]; t[4+j]: the same for columns 4+j, 12+j
+  for (int j = 0; j < 4; ++j) {
+    r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], _MM_SHUFFLE(2, 0, 2, 0));
+    r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], _MM_SHUFFLE(3, 1, 3, 1));
+    r[4 + j] = _mm512_shuffle_f32x4(t[4 + j], t[12 + j], _MM_SHUFFLE(2, 0, 2, 0));
+    r[12 + j] = _mm512_shuffle_f32x4(t[4 + j], t[12 + j], _MM_SHUFFLE(3, 1, 3, 1));
+  }
+}
+
+inline __m512 load_row(const float* p, int n) { return keepwarm::load_ps(p, n); }
+inline __m512 load_row(const c10::BFloat16* p, int n) {
+  return keepwarm::load_ps(reinterpret_cast<const uint16_t*>(p), n);
+}
+
+// Per kv head: KT [D][Spad] (keys transposed, fp32, zero past S) and VF [Spad][DV * 16]
+// (values, fp32, zero-padded), so a tile's scores are D vector FMAs and a key's value row
+// is DV aligned vectors. Staging copies values exactly (bf16 -> fp32 is exact).
+template <typename T>
+void stage_head(const T* k, const T* v, const Shape& s, int64_t h, float* kt, float* vf) {
+  const int64_t dp = s.DV * 16, row = s.Hkv * s.D;
+  for (int64_t kb = 0; kb < s.Spad; kb += kTile) {
+    for (int64_t d0 = 0; d0 < s.D; d0 += 16) {
+      const int n = static_cast<int>(std::min<int64_t>(16, s.D - d0));
+      __m512 r[16];
+      for (int i = 0; i < 16; ++i)
+        r[i] = kb + i < s.S ? load_row(k + (kb + i) * row + h * s.D + d0, n) : _mm512_setzero_ps();
+      transpose16(r);
+      for (int j = 0; j < n; ++j) _mm512_storeu_ps(kt + (d0 + j) * s.Spad + kb, r[j]);
+    }
+    for (int64_t i = kb; i < kb + kTile; ++i) {
+      for (int64_t d0 = 0; d0 < dp; d0 += 16) {
+        const int n = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, s.D - d0)));
+        const __m512 x = i < s.S && n > 0 ? load_row(v + i * row + h * s.D + d0, n) : _mm512_setzero_ps();
+        _mm512_storeu_ps(vf + i * dp + d0, x);
+      }
+    }
+  }
+}
+
+inline float first_lane(__m512 x) { return _mm512_cvtss_f32(x); }
+
+inline void store(float* p, __m512 v, int n) { keepwarm::store_ps(p, v, n); }
+inline void store(c10::BFloat16* p, __m512 v, int n) { keepwarm::store_ps(reinterpret_cast<uint16_t*>(p), v, n); }
+
+// One group of up to kRows query rows of kv head h: rows r0 .. r1-1 of the flattened
+// (t, g) order, query head h * G + g at position S - T + t.
+template <int DV, typename T>
+void group(const T* q, const float* kt, const float* vf, const Shape& s, int64_t h, int64_t r0, int64_t r1,
+           T* out) {
+  const int64_t nr = r1 - r0, start = s.S - s.T;
+  alignas(64) float qf[kRows][DV * 16];
+  int64_t pos[kRows], first[kRows];
+  float m[kRows], l[kRows];
+  __m512 o[kRows][DV];
+  for (int64_t r = 0; r < nr; ++r) {
+    const int64_t t = (r0 + r) / s.G, g = (r0 + r) % s.G;
+    const T* qr = q + (t * s.Hq + h * s.G + g) * s.D;
+    for (int64_t d = 0; d < s.D; ++d) qf[r][d] = static_cast<float>(qr[d]);
+    pos[r] = start + t;
+    first[r] = s.window > 0 ? std::max<int64_t>(0, pos[r] - s.window + 1) : 0;
+    m[r] = -std::numeric_limits<float>::infinity();
+    l[r] = 0.f;
+    for (int dv = 0; dv < DV; ++dv) o[r][dv] = _mm512_setzero_ps();
+  }
+  const int64_t dp = DV * 16;
+  const int64_t j_begin = first[0] / kTile, j_end = pos[nr - 1] / kTile;  // rows are in position order
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  // Scores for two tiles at a time (independent chains hide the FMA latency), then the
+  // softmax updates tile by tile, in order.
+  __m512 acc[2][kRows];
+  for (int64_t j = j_begin; j <= j_end; ++j) {
+    const int64_t kb = j * kTile;
+    const int slot = static_cast<int>((j - j_begin) & 1);
+    if (slot == 0) {
+      const bool pair = j + 1 <= j_end;
+      for (int r = 0; r < kRows; ++r) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < s.D; ++d) {
+        const __m512 k0 = _mm512_load_ps(kt + d * s.Spad + kb);
+        const __m512 k1 = pair ? _mm512_load_ps(kt + d * s.Spad + kb + kTile) : k0;
+        for (int r = 0; r < kRows; ++r) {
+          if (r < nr) {
+            const __m512 qd = _mm512_set1_ps(qf[r][d]);
+            acc[0][r] = _mm512_fmadd_ps(qd, k0, acc[0][r]);
+            acc[1][r] = _mm512_fmadd_ps(qd, k1, acc[1][r]);
+          }
+        }
+      }
+    }
+    for (int64_t r = 0; r < nr; ++r) {
+      const int64_t lo = std::max<int64_t>(first[r], kb), hi = std::min<int64_t>(pos[r], kb + kTile - 1);
+      if (lo > hi) continue;  // this tile is outside the row's range
+      const __mmask16 valid = (__mmask16)(((1u << (hi - lo + 1)) - 1) << (lo - kb));
+      const __m512 sc = _mm512_mask_mov_ps(neg_inf, valid, _mm512_mul_ps(acc[slot][r], _mm512_set1_ps(s.scale)));
+      const float m_new = std::max(m[r], _mm512_reduce_max_ps(sc));  // max: exact in any order
+      const __m512 p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(m_new))));
+      const float alpha = std::isinf(m[r]) ? 0.f : first_lane(exp512(_mm512_set1_ps(m[r] - m_new)));
+      l[r] = l[r] * alpha + hsum16(p);
+      m[r] = m_new;
+      const __m512 a = _mm512_set1_ps(alpha);
+      for (int dv = 0; dv < DV; ++dv) o[r][dv] = _mm512_mul_ps(o[r][dv], a);
+      alignas(64) float w[kTile];
+      _mm512_store_ps(w, p);
+      for (int64_t i = lo - kb; i <= hi - kb; ++i) {
+        const __m512 wi = _mm512_set1_ps(w[i]);
+        const float* vr = vf + (kb + i) * dp;
+        for (int dv = 0; dv < DV; ++dv) o[r][dv] = _mm512_fmadd_ps(wi, _mm512_load_ps(vr + dv * 16), o[r][dv]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < nr; ++r) {
+    const int64_t t = (r0 + r) / s.G, g = (r0 + r) % s.G;
+    T* orow = out + (t * s.Hq + h * s.G + g) * s.D;
+    const __m512 lv = _mm512_set1_ps(l[r]);
+    for (int dv = 0; dv < DV; ++dv) {
+      const int n = static_cast<int>(std::min<int64_t>(16, s.D - dv * 16));
+      if (n <= 0) break;
+      store(orow + dv * 16, _mm512_div_ps(o[r][dv], lv), n);
+    }
+  }
+}
+
+template <typename T>
+using GroupFn = void (*)(const T*, const float*, const float*, const Shape&, int64_t, int64_t, int64_t, T*);
+
+template <typename T>
+GroupFn<T> group_for(int64_t dv) {
+  switch (dv) {
+    case 1: return &group<1, T>;
+    case 2: return &group<2, T>;
+    case 3: return &group<3, T>;
+    case 4: return &group<4, T>;
+    case 5: return &group<5, T>;
+    case 6: return &group<6, T>;
+    case 8: return &group<8, T>;
+    case 12: return &group<12, T>;
+    case 16: return &group<16, T>;
+    case 32: return &group<32, T>;
+  }
+  return nullptr;
+}
+
+template <typename T>
+void run(const T* q, const T* k, const T* v, T* out, const Shape& s) {
+  const GroupFn<T> fn = group_for<T>(s.DV);
+  TORCH_CHECK(fn != nullptr, "cpu_attention: head_dim ", s.D, " is not supported");
+  const int64_t kt_stride = s.D * s.Spad, vf_stride = s.Spad * s.DV * 16;
+  const int64_t rows = s.T * s.G, groups = (rows + kRows - 1) / kRows;
+  // Staging buffers are reused across calls (a fresh multi-MiB allocation per decode step
+  // costs more in page faults than the attention itself); every element read is written.
+  auto buffer = [](std::vector<float>& buf, int64_t floats) {
+    if (buf.size() < static_cast<size_t>(floats) + 16) buf.resize(static_cast<size_t>(floats) + 16);
+    return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+  };
+  if (s.Hkv >= at::get_num_threads()) {
+    // Whole heads per thread: stage one head and use it at once, while it is in L2.
+    at::parallel_for(0, s.Hkv, 1, [&](int64_t h0, int64_t h1) {
+      static thread_local std::vector<float> local;
+      float* kt = buffer(local, kt_stride + vf_stride);
+      float* vf = kt + kt_stride;
+      for (int64_t h = h0; h < h1; ++h) {
+        stage_head<T>(k, v, s, h, kt, vf);
+        for (int64_t r0 = 0; r0 < rows; r0 += kRows) fn(q, kt, vf, s, h, r0, std::min(rows, r0 + kRows), out);
+      }
+    });
+    return;
+  }
+  // Fewer heads than threads: stage every head, then split heads x row groups.
+  static thread_local std::vector<float> shared;
+  float* ktp = buffer(shared, s.Hkv * (kt_stride + vf_stride));
+  float* vfp = ktp + s.Hkv * kt_stride;
+  at::parallel_for(0, s.Hkv, 1, [&](int64_t h0, int64_t h1) {
+    for (int64_t h = h0; h < h1; ++h) stage_head<T>(k, v, s, h, ktp + h * kt_stride, vfp + h * vf_stride);
+  });
+  at::parallel_for(0, s.Hkv * groups, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t h = i / groups, r0 = (i % groups) * kRows;
+      fn(q, ktp + h * kt_stride, vfp + h * vf_stride, s, h, r0, std::min(rows, r0 + kRows), out);
+    }
+  });
+}
+
+int64_t padded_dv(int64_t d) {
+  const int64_t dv = (d + 15) / 16;
+  for (int64_t c : {1, 2, 3, 4, 5, 6, 8, 12, 16, 32})
+    if (dv <= c) return c;
+  return -1;
+}
+
+bool eligible(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  const auto dt = q.scalar_type();
+  if (dt != at::kBFloat16 && dt != at::kFloat) return false;
+  if (k.scalar_type() != dt || v.scalar_type() != dt) return false;
+  if (!q.device().is_cpu() || !k.device().is_cpu() || !v.device().is_cpu()) return false;
+  if (q.dim() != 3 || k.dim() != 3 || v.dim() != 3) return false;
+  if (k.sizes() != v.sizes() || q.size(2) != k.size(2) || q.size(0) > k.size(0) || q.size(0) < 1) return false;
+  if (k.size(1) < 1 || q.size(1) % k.size(1) != 0) return false;
+  return padded_dv(q.size(2)) > 0;
+}
+
+// attention for q [T, Hq, D] against k, v [S, Hkv, D]; None when not eligible.
+c10::optional<at::Tensor> try_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                        double scale, int64_t window) {
+  if (!eligible(q, k, v)) return c10::nullopt;
+  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  Shape s;
+  s.T = q.size(0);
+  s.S = k.size(0);
+  s.Hq = q.size(1);
+  s.Hkv = k.size(1);
+  s.G = s.Hq / s.Hkv;
+  s.D = q.size(2);
+  s.DV = padded_dv(s.D);
+  s.Spad = (s.S + kTile - 1) / kTile * kTile;
+  s.window = window;
+  s.scale = static_cast<float>(scale);
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  if (q.scalar_type() == at::kFloat) {
+    run<float>(qc.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), out.data_ptr<float>(), s);
+  } else {
+    using B = c10::BFloat16;
+    run<B>(reinterpret_cast<const B*>(qc.data_ptr<at::BFloat16>()),
+           reinterpret_cast<const B*>(kc.data_ptr<at::BFloat16>()),
+           reinterpret_cast<const B*>(vc.data_ptr<at::BFloat16>()),
+           reinterpret_cast<B*>(out.data_ptr<at::BFloat16>()), s);
+  }
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("eligible", &eligible, py::arg("q"), py::arg("k"), py::arg("v"));
+  m.def("try_attention", &try_attention, "causal attention, invariant per query row, or None", py::arg("q"),
+        py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("window") = 0);
+}
