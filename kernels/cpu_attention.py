@@ -32,7 +32,9 @@ def available() -> bool:
     return extension() is not None
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor | None:
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0
+) -> torch.Tensor | None:
     """q [T, Hq, D] against k, v [S, Hkv, D] -> [T, Hq, D], or None when the kernel cannot run."""
     ext = extension()
     if ext is None or torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):

@@ -27,13 +27,13 @@ ALONE = (0, 1, 15, 16, 17, 39)  # rows compared alone vs in every batch that hol
 BATCHES = ((0, 2), (0, 17), (0, 40), (1, 37), (15, 33))  # [start, end) row ranges
 
 
-def _rand(shape: tuple[int, ...], dtype: torch.dtype, g: torch.Generator, device: torch.device) -> torch.Tensor:
+def _rand(
+    shape: tuple[int, ...], dtype: torch.dtype, g: torch.Generator, device: torch.device
+) -> torch.Tensor:
     return torch.randn(shape, generator=g).to(device=device, dtype=dtype)
 
 
-def _rows_differ(
-    fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, what: str
-) -> str | None:
+def _rows_differ(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, what: str) -> str | None:
     """fn maps rows [M, ...] -> [M, ...]; each ALONE row must be the same bits in every batch."""
     alone = {i: fn(x[i : i + 1])[0] for i in ALONE}
     for a, b in BATCHES:
@@ -67,7 +67,9 @@ def probe_silu_mul(
     return _rows_differ(lambda r: silu_mul(*r.chunk(2, dim=-1)), x, f"silu_mul I={n} {like.dtype}")
 
 
-def probe_attention(ops: Ops, hq: int, hkv: int, d: int, dtype: torch.dtype, device: torch.device) -> str | None:
+def probe_attention(
+    ops: Ops, hq: int, hkv: int, d: int, dtype: torch.dtype, device: torch.device
+) -> str | None:
     """Decode steps and prefill chunks against the one-shot prefill of PROBE_ROWS tokens."""
     g = torch.Generator().manual_seed(3)
     s = PROBE_ROWS
@@ -116,15 +118,15 @@ class SelfCheck:
                         )
         return self.fallback if self.refused is not None else self.fast
 
-    def linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         key = ("linear", weight.dtype, tuple(weight.shape), bias is not None)
         return self._check(key, lambda: probe_linear(self.fast.linear, weight, bias)).linear(x, weight, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         key = ("rms_norm", weight.dtype, weight.shape[0])
-        return self._check(key, lambda: probe_rms_norm(self.fast.rms_norm, weight, eps)).rms_norm(x, weight, eps)
+        return self._check(key, lambda: probe_rms_norm(self.fast.rms_norm, weight, eps)).rms_norm(
+            x, weight, eps
+        )
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         key = ("silu_mul", gate.dtype, gate.shape[-1])
@@ -139,10 +141,14 @@ class SelfCheck:
         key = ("attention", q.dtype, hq, hkv, d)
         return self._check(key, lambda: probe_attention(self.fast, hq, hkv, d, q.dtype, q.device))
 
-    def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def prefill_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
         return self._attention_ops(q, k).prefill_attention(q, k, v, scale)
 
-    def decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def decode_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
         return self._attention_ops(q, k).decode_attention(q, k, v, scale)
 
     def ops(self) -> Ops:

@@ -50,7 +50,9 @@ TORCH_OPS = Ops(
 )
 
 
-def _decode_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def _decode_rows_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """The pre-invariance CPU path: the kernel for bf16 calls of <= 16 rows (decode), torch's
     GEMM above (whose per-row bits change with the row count)."""
     from keepwarm.kernels import cpu_linear

@@ -2,7 +2,8 @@
 or environment variables, passed down explicitly.
 
 Environment (a flag overrides its variable):
-  KEEPWARM_ENGINES          comma-separated engine base URLs      (--engine, repeatable)
+  KEEPWARM_ENGINES          comma-separated engine base URLs      (--engine, repeatable);
+                            dns+http://NAME:PORT stands for every address NAME resolves to
   KEEPWARM_REDIS_URL / REDIS_URL                                  (--redis-url)
   KEEPWARM_API_KEYS         "key1:tenantA,key2:tenantB"           (--api-keys)
   KEEPWARM_API_KEYS_FILE    one "key tenant" per line, # comments (--api-keys-file)
@@ -37,6 +38,8 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from keepwarm.api.engines import EngineSourceError, parse_engine
 
 TENANT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
@@ -75,8 +78,10 @@ class GatewayConfig:
         if not self.engines:
             raise ConfigError("no engine configured: pass --engine http://HOST:PORT or set KEEPWARM_ENGINES")
         for url in self.engines:
-            if not url.startswith(("http://", "https://")):
-                raise ConfigError(f"engine URL {url!r} must start with http:// or https://")
+            try:
+                parse_engine(url)
+            except EngineSourceError as e:
+                raise ConfigError(str(e)) from None
         if len(set(self.engines)) != len(self.engines):
             raise ConfigError(f"engine URLs must be distinct, got {list(self.engines)}")
         if not self.api_keys:

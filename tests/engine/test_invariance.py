@@ -105,18 +105,25 @@ def test_batches_of_random_composition_and_greedy_decode(tiny_dense_model: Path,
         solo_tokens.append(toks)
         solo_logits.append(logits)
     # full sequences: prompt then its greedy reply, fed through random batches
-    seqs = [torch.cat([p, torch.tensor(t[:-1], dtype=torch.long)]) for p, t in zip(prompts, solo_tokens)]
-    expect = [torch.cat([r[:-1], lg]) for r, lg in zip(refs, solo_logits)]  # logits after each token
+    seqs = [
+        torch.cat([p, torch.tensor(t[:-1], dtype=torch.long)])
+        for p, t in zip(prompts, solo_tokens, strict=True)
+    ]
+    expect = [
+        torch.cat([r[:-1], lg]) for r, lg in zip(refs, solo_logits, strict=True)
+    ]  # logits after each token
     states = [backend.new_state(len(s) + 1) for s in seqs]
-    while any(st.position < len(s) for st, s in zip(states, seqs)):
-        live = [i for i, (st, s) in enumerate(zip(states, seqs)) if st.position < len(s)]
+    while any(st.position < len(s) for st, s in zip(states, seqs, strict=True)):
+        live = [i for i, (st, s) in enumerate(zip(states, seqs, strict=True)) if st.position < len(s)]
         pick = rng.sample(live, rng.randint(1, len(live)))
         chunks = []
         for i in pick:
             left = len(seqs[i]) - states[i].position
-            chunks.append(seqs[i][states[i].position : states[i].position + min(left, rng.choice((1, 1, 3, 16, 40)))])
+            chunks.append(
+                seqs[i][states[i].position : states[i].position + min(left, rng.choice((1, 1, 3, 16, 40)))]
+            )
         out = backend.step([states[i] for i in pick], chunks)
-        for row, i in zip(out, pick):
+        for row, i in zip(out, pick, strict=True):
             assert torch.equal(row, expect[i][states[i].position - 1]), (dtype, i, states[i].position)
 
 

@@ -1,4 +1,5 @@
-"""The AVX512-BF16 decode GEMV against torch F.linear and an fp64 reference, and the
+"""The invariant CPU matrix product (bf16 and fp32, any row count) against torch F.linear
+and an fp64 reference; one reduction order per row for every row count and both paths; the
 routing: which calls take the kernel, which fall back to torch, and that a CPU without the
 feature or a failed build leaves `linear` working on torch alone.
 
@@ -126,19 +127,20 @@ def test_unavailable_kernel_keeps_torch_results_for_every_shape() -> None:
 
 
 @needs_kernel
-def test_routing_takes_the_kernel_only_for_bf16_decode_shapes(kernel: CpuLinear) -> None:
+def test_routing_takes_the_kernel_for_bf16_and_fp32_of_any_row_count(kernel: CpuLinear) -> None:
     g = _gen(4)
     w, b = _rand((32, 64), g), _rand((32,), g)
-    for m in (1, 2, 3, 4, 5, 8, 16):
+    for m in (1, 2, 3, 4, 5, 8, 16, 17, 64, 300):
         assert kernel.uses_kernel(_rand((m, 64), g), w, b)
     assert kernel.uses_kernel(_rand((64,), g), w)  # 1-D x: one token
     assert kernel.uses_kernel(_rand((1, 2, 64), g), w)  # leading dims flattened: 2 tokens
-    assert not kernel.uses_kernel(_rand((17, 64), g), w)  # more tokens than MAX_TOKENS
-    assert not kernel.uses_kernel(_rand((1, 64), g).float(), w.float())  # fp32
-    assert not kernel.uses_kernel(_rand((1, 64), g), w.float())
+    assert kernel.uses_kernel(_rand((40, 64), g).float(), w.float(), b.float())  # fp32
+    assert not kernel.uses_kernel(_rand((1, 64), g), w.float())  # mixed dtypes: F.linear rejects them too
+    assert not kernel.uses_kernel(_rand((1, 64), g).half(), w.half())  # fp16
     assert not kernel.uses_kernel(_rand((1, 64), g), _rand((64, 32), g).T)  # weight not contiguous
-    assert not kernel.uses_kernel(_rand((1, 64), g), w, b.float())  # F.linear rejects mixed dtypes too
+    assert not kernel.uses_kernel(_rand((1, 64), g), w, b.float())
     assert not kernel.uses_kernel(_rand((1, 64), g), w, _rand((31,), g))
+    assert not kernel.uses_kernel(_rand((0, 64), g), w)  # no rows
     wg = w.clone().requires_grad_(True)
     assert not kernel.uses_kernel(_rand((1, 64), g), wg)  # autograd needs torch's op
     with torch.no_grad():
@@ -149,10 +151,8 @@ def test_routing_takes_the_kernel_only_for_bf16_decode_shapes(kernel: CpuLinear)
 def test_fallback_shapes_return_torch_results_exactly(kernel: CpuLinear) -> None:
     g = _gen(5)
     w, b = _rand((48, 80), g), _rand((48,), g)
-    x17 = _rand((17, 80), g)
-    assert torch.equal(kernel(x17, w, b), F.linear(x17, w, b))
-    x32, w32 = torch.randn(1, 80, generator=g), torch.randn(48, 80, generator=g)
-    assert torch.equal(kernel(x32, w32), F.linear(x32, w32))
+    x16 = _rand((17, 80), g).half()
+    assert torch.equal(kernel(x16, w.half(), b.half()), F.linear(x16, w.half(), b.half()))
     wt = _rand((80, 48), g).T
     x1 = _rand((1, 80), g)
     assert torch.equal(kernel(x1, wt), F.linear(x1, wt))
@@ -319,4 +319,62 @@ def test_module_level_linear_is_the_kernel(kernel: CpuLinear) -> None:
     x, w = _rand((1, 1024), g), _rand((64, 1024), g)
     assert torch.equal(cpu_linear.linear(x, w), kernel(x, w))
     assert cpu_linear.default() is kernel
-    assert kernel.ext is not None and kernel.ext.MAX_TOKENS == cpu_linear.MAX_TOKENS
+    assert kernel.ext is not None and kernel.ext.STREAM_ROWS == cpu_linear.STREAM_ROWS
+
+
+# --- one reduction order for every row count -------------------------------------------------
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("k", [1, 31, 64, 100, 1024, 3072 + 5])
+def test_each_row_is_the_same_bits_for_every_row_count(kernel: CpuLinear, dtype: torch.dtype, k: int) -> None:
+    """Streaming (<= 16 rows) and tiled (more) paths, every row count up to 130 and windows
+    at every offset: a row's fp32 sum and its rounded output are the solo result."""
+    g = _gen(100 + k)
+    n = 4 * 6 + 5  # whole register strips plus a partial one
+    w, b = _rand((n, k), g, scale=0.05).to(dtype), _rand((n,), g).to(dtype)
+    x = _rand((130, k), g).to(dtype)
+    alone32 = torch.stack([kernel(x[i : i + 1], w, b, out_dtype=torch.float32)[0] for i in range(130)])
+    alone = torch.stack([kernel(x[i : i + 1], w, b)[0] for i in range(130)])
+    for m in (2, 4, 5, 16, 17, 23, 64, 129, 130):
+        for start in (0, 130 - m):
+            got = kernel(x[start : start + m], w, b, out_dtype=torch.float32)
+            assert torch.equal(got, alone32[start : start + m]), (dtype, k, m, start)
+            assert torch.equal(kernel(x[start : start + m], w, b), alone[start : start + m]), (dtype, k, m)
+    # the tiled path forced at one row equals the streaming path
+    for i in (0, 77):
+        assert torch.equal(
+            kernel(x[i : i + 1], w, b, out_dtype=torch.float32, force_tiled=True)[0], alone32[i]
+        )
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 16, 17, 200])
+@pytest.mark.parametrize("k", [64, 1000, 3077])
+def test_fp32_matches_fp64(kernel: CpuLinear, m: int, k: int) -> None:
+    g = _gen(m * 7 + k)
+    x, w, b = (
+        torch.randn(m, k, generator=g),
+        torch.randn(61, k, generator=g) * 0.05,
+        torch.randn(61, generator=g),
+    )
+    y = kernel(x, w, b)
+    assert y.dtype == torch.float32 and kernel.uses_kernel(x, w, b)
+    ref = _ref64(x, w, b)
+    bound = k * 2.0**-23 * (x.double().abs() @ w.double().abs().T) + 2.0**-23 * ref.abs()
+    assert bool(((y.double() - ref).abs() <= bound).all())
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [17, 40, 300])
+def test_tiled_path_exact_on_integer_data(kernel: CpuLinear, m: int) -> None:
+    """Exact integer sums pin the tiled path's K tail, M tail (m % 4) and N tail (n % 6)."""
+    g = _gen(m)
+    k, n = 3077, 6 * 5 + 4
+    x = torch.randint(-3, 4, (m, k), generator=g).to(BF16)
+    w = torch.randint(-3, 4, (n, k), generator=g).to(BF16)
+    b = torch.randint(-50, 51, (n,), generator=g).to(BF16)
+    exact = (x.long() @ w.long().T + b.long()).double()
+    assert torch.equal(kernel(x, w, b, out_dtype=torch.float32).double(), exact)
+    assert torch.equal(kernel(x.float(), w.float(), b.float()).double(), exact)

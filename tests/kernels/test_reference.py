@@ -146,14 +146,16 @@ def test_rotary_matches_pairwise_rotation() -> None:
 
 
 def test_ops_for_cpu_is_torch_unless_triton_is_forced() -> None:
-    from keepwarm.kernels import cpu_linear
+    from keepwarm.kernels import cpu_attention, cpu_linear, cpu_rowwise
     from keepwarm.kernels.triton_ops import TRITON_OPS
 
     cpu = torch.device("cpu")
     plain = ops_for(cpu)
-    if cpu_linear.available():  # the decode GEMV joins the references on CPUs with avx512_bf16
-        assert plain.name == "torch+cpu_linear" and plain.linear is cpu_linear.linear
-        assert (plain.rms_norm, plain.rotary, plain.prefill_attention, plain.decode_attention) == (
+    if cpu_linear.available() and cpu_attention.available() and cpu_rowwise.available():
+        assert plain.name == "cpu_invariant"  # the invariant kernels behind the self-check
+        off = ops_for(cpu, invariant=False)
+        assert off.name == "torch+cpu_linear"
+        assert (off.rms_norm, off.rotary, off.prefill_attention, off.decode_attention) == (
             TORCH_OPS.rms_norm,
             TORCH_OPS.rotary,
             TORCH_OPS.prefill_attention,

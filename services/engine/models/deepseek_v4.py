@@ -30,6 +30,11 @@ chunked forward equals its one-shot forward; so is ours at any chunk boundary.
 Invariant: window, pending and overlap tensors are replaced by new tensors at every step,
 never written in place, and compressed rows below the live count are never rewritten; so
 an exported snapshot (views, no copy) stays valid while the live state moves on.
+
+A step (`step`, and `prefill` / `decode` as a step of one sequence) runs the hyper-connection
+mixing, every projection (attention, compressor and indexer inputs, output), the MoE and the
+head over all its tokens at once; each sequence's sliding window, compressors, indexer
+scores and attention run on its own slice of them.
 """
 
 from __future__ import annotations

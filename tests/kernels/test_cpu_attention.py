@@ -1,0 +1,89 @@
+"""The invariant CPU attention and row-wise ops: each query row / token row is the same bits
+whatever else is in the call (decode step, prefill chunk of any length, batch of any size),
+and the results agree with the torch references within rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from keepwarm.kernels import cpu_attention, cpu_rowwise, reference
+
+needs_kernels = pytest.mark.skipif(
+    not (cpu_attention.available() and cpu_rowwise.available()),
+    reason="the CPU kernels need AVX-512 BF16 (this CPU lacks it or the build failed)",
+)
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _qkv(s: int, hq: int, hkv: int, d: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(s, h, d, generator=g).to(dtype) for h in (hq, hkv, hkv))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(4, 2, 16), (16, 8, 64), (2, 1, 100), (8, 8, 128)])
+def test_decode_and_every_chunk_equal_the_one_shot_prefill(
+    dtype: torch.dtype, hq: int, hkv: int, d: int
+) -> None:
+    s = 70
+    q, k, v = _qkv(s, hq, hkv, d, dtype, seed=d)
+    scale = d**-0.5
+    full = cpu_attention.prefill_attention(q, k, v, scale)
+    ref = reference.prefill_attention(q.float(), k.float(), v.float(), scale)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(full.float(), ref, rtol=tol, atol=tol)
+    for t in range(s):
+        assert torch.equal(cpu_attention.decode_attention(q[t], k[: t + 1], v[: t + 1], scale), full[t]), t
+    for a, b in ((0, 1), (0, 7), (7, 30), (3, 4), (30, 70), (15, 17), (16, 48)):
+        assert torch.equal(cpu_attention.prefill_attention(q[a:b], k[:b], v[:b], scale), full[a:b]), (a, b)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sliding_window_rows_see_the_last_w_keys(dtype: torch.dtype) -> None:
+    s, w, d = 50, 7, 32
+    q, k, v = _qkv(s, 4, 2, d, dtype, seed=5)
+    out = cpu_attention.attention(q, k, v, d**-0.5, window=w)
+    assert out is not None
+    for t in (0, 6, 7, 33, 49):
+        lo = max(0, t - w + 1)
+        # the row equals full attention over exactly its window's keys (positions re-based)
+        sub = cpu_attention.attention(q[t : t + 1], k[lo : t + 1], v[lo : t + 1], d**-0.5)
+        assert sub is not None
+        torch.testing.assert_close(out[t].float(), sub[0].float(), rtol=1e-5, atol=1e-5)
+        dec = cpu_attention.attention(q[t : t + 1], k[: t + 1], v[: t + 1], d**-0.5, window=w)
+        assert dec is not None and torch.equal(dec[0], out[t])
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [16, 37, 64, 1024, 3077])
+def test_rms_norm_and_silu_mul_rows_are_independent_of_the_batch(dtype: torch.dtype, dim: int) -> None:
+    g = torch.Generator().manual_seed(dim)
+    x, w = torch.randn(70, dim, generator=g).to(dtype), torch.randn(dim, generator=g).to(dtype)
+    gu = torch.randn(70, 2 * dim, generator=g).to(dtype)
+    gate, up = gu.chunk(2, dim=-1)  # strided rows, as from a fused projection
+    norm, act = cpu_rowwise.rms_norm(x, w, 1e-6), cpu_rowwise.silu_mul(gate, up)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(
+        norm.float(), reference.rms_norm(x.float(), w.float(), 1e-6), rtol=tol, atol=tol
+    )
+    torch.testing.assert_close(act.float(), (F.silu(gate.float()) * up.float()), rtol=tol, atol=tol)
+    for i in range(70):
+        assert torch.equal(cpu_rowwise.rms_norm(x[i : i + 1], w, 1e-6)[0], norm[i])
+        assert torch.equal(cpu_rowwise.silu_mul(gate[i], up[i]), act[i])
+    heads = x.view(70, 1, dim)[:, :, :]  # 3-D rows
+    assert torch.equal(cpu_rowwise.rms_norm(heads, w, 1e-6).view(70, dim), norm)
+
+
+def test_fallbacks_are_the_references() -> None:
+    x, w = torch.randn(3, 8).half(), torch.randn(8).half()
+    assert torch.equal(cpu_rowwise.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6))
+    assert torch.equal(cpu_rowwise.silu_mul(x, x), F.silu(x) * x)
+    q, k, v = _qkv(5, 2, 1, 8, torch.float16, seed=1)
+    assert torch.equal(
+        cpu_attention.prefill_attention(q, k, v, 0.3), reference.prefill_attention(q, k, v, 0.3)
+    )

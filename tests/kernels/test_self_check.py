@@ -1,0 +1,87 @@
+"""The start-up self-check: it passes the invariant CPU kernels, and refuses invariant mode
+(one ERROR line naming the op and shape, then the fallback for every call) when a kernel
+changes a row's bits with the batch — here torch's own fp32 GEMM, whose rows differ
+between 1 and 2 rows on oneDNN."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from keepwarm.kernels import cpu_attention, cpu_linear, cpu_rowwise
+from keepwarm.kernels.invariance import SelfCheck, probe_linear
+from keepwarm.kernels.ops import TORCH_OPS, cpu_ops
+
+needs_kernels = pytest.mark.skipif(
+    not (cpu_linear.available() and cpu_attention.available() and cpu_rowwise.available()),
+    reason="the invariant CPU kernels need AVX-512 BF16",
+)
+
+
+@needs_kernels
+def test_the_invariant_kernels_pass_every_probe(caplog: pytest.LogCaptureFixture) -> None:
+    fast = replace(
+        TORCH_OPS,
+        name="cpu_invariant",
+        linear=cpu_linear.linear,
+        rms_norm=cpu_rowwise.rms_norm,
+        silu_mul=cpu_rowwise.silu_mul,
+        prefill_attention=cpu_attention.prefill_attention,
+        decode_attention=cpu_attention.decode_attention,
+    )
+    check = SelfCheck(fast, TORCH_OPS)
+    ops = check.ops()
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        w = torch.randn(96, 64, generator=g).to(dtype)
+        x = torch.randn(3, 64, generator=g).to(dtype)
+        with caplog.at_level(logging.ERROR):
+            assert torch.equal(ops.linear(x, w), cpu_linear.linear(x, w))
+            ops.rms_norm(x, w[0], 1e-6)
+            ops.silu_mul(x, x)
+            q, k = torch.randn(5, 4, 16).to(dtype), torch.randn(5, 2, 16).to(dtype)
+            ops.prefill_attention(q, k, k, 0.25)
+            ops.decode_attention(q[0], k, k, 0.25)
+    assert check.refused is None and not caplog.records
+    assert len(check.checked) == 8  # 4 buckets per dtype, each probed once
+
+
+def test_a_batch_dependent_kernel_is_refused_with_one_error_line(caplog: pytest.LogCaptureFixture) -> None:
+    calls = []
+
+    def drifting(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        calls.append(x.shape[0])
+        y = F.linear(x, w, b)
+        return y + 1e-3 * (x.shape[0] > 16)  # rows in big batches come out different
+
+    fast = replace(TORCH_OPS, name="drifting", linear=drifting)
+    check = SelfCheck(fast, TORCH_OPS)
+    w, x = torch.randn(8, 32), torch.randn(2, 32)
+    with caplog.at_level(logging.ERROR, logger="keepwarm.kernels.invariance"):
+        y = check.ops().linear(x, w)
+    assert torch.equal(y, TORCH_OPS.linear(x, w))  # the failing call already runs the fallback
+    assert check.refused is not None and "linear (8, 32)" in check.refused
+    assert [r.levelname for r in caplog.records] == ["ERROR"]
+    assert "invariant mode refused" in caplog.text and "drifting" in caplog.text
+    n = len(calls)
+    check.ops().linear(x, torch.randn(4, 32))  # a new bucket after a refusal: no probe, fallback
+    assert len(calls) == n
+
+
+def test_the_probe_sees_what_torch_fp32_gemm_does_here() -> None:
+    """The probe reports a real platform difference exactly when there is one (torch 2.13's
+    fp32 GEMM on oneDNN: every row differs between 1 and 2 rows)."""
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(64, 256, generator=g), torch.randn(40, 256, generator=g)
+    differs = not torch.equal(F.linear(x[:1], w)[0], F.linear(x[:2], w)[0])
+    assert (probe_linear(F.linear, w, None) is not None) == differs
+
+
+@needs_kernels
+def test_cpu_ops_are_one_checked_bundle_per_process() -> None:
+    assert cpu_ops() is cpu_ops() and cpu_ops().name == "cpu_invariant"
+    assert cpu_ops(False).name == "torch+cpu_linear"
