@@ -8,8 +8,10 @@ POST /v1/chat/completions and POST /v1/completions, per request:
   engines serve (404 listing them; `default` or no model: the only one served)
   -> client `cache_salt` and `session_hint` dropped; `cache_salt` = HMAC(secret,
   tenant); the session's last prefix key from Redis sent as `session_hint` ->
-  the first healthy engine serving that model in affinity order; a failure
-  before anything reached the client (connect error,
+  the first healthy engine serving that model in routing order (engines.py: the
+  session's engine while it is healthy, else the least loaded by the engines'
+  running + waiting sequences, so a moved session restores from the shared disk
+  cache through its hint); a failure before anything reached the client (connect error,
   timeout, engine gone before its headers, engine 503 or 429, engine marked down
   by the health poller while the request waited, e.g. a paused process) moves
   on to the next engine -> the answer passed through. When every engine
@@ -40,6 +42,14 @@ caller's tenant (cache entries: the keys engines reported for the tenant's
 requests; per-engine rows: shared capacity figures, never another request's
 counters, keys or paths). DELETE /v1/cache, and listing every tenant's entries,
 are for KEEPWARM_ADMIN_TENANTS only; by default no tenant is admin.
+
+Several gateways share everything through Redis: sessions (hence affinity:
+session -> engine, last prefix key), stats, rate-limit windows and the tenants'
+cache keys; API keys and the secret are configuration, the same in every
+replica. Per process by nature: the engines' health and load (each gateway
+polls them itself; an engine down for one gateway is tried by the others
+until they see it too) and the Redis circuit breaker (each gateway's own
+connection).
 
 Redis trouble never fails a chat request: every Redis call has a short socket
 timeout and no retries, behind a circuit breaker (see breaker), so a dead or
@@ -75,7 +85,7 @@ from keepwarm.api.auth import Authenticator, Caller
 from keepwarm.api.breaker import Breaker, RedisUnavailable
 from keepwarm.api.chat_body import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody
 from keepwarm.api.config import GatewayConfig
-from keepwarm.api.engines import EnginePool
+from keepwarm.api.engines import EnginePool, Ticket
 from keepwarm.api.errors import ApiError, handle_exception, upstream_error
 from keepwarm.api.rate_limit import RateLimiter
 from keepwarm.api.record import RequestRecord
@@ -226,7 +236,7 @@ class Gateway:
         return engines
 
     def no_engine(self) -> ApiError:
-        down = "; ".join(f"{u}: {self.pool.health(u).error or 'down'}" for u in self.pool.urls)
+        down = "; ".join(self.pool.problems()) or "every engine failed this request"
         retry = max(1, math.ceil(self.config.health_interval_s))
         return ApiError(503, f"no healthy engine, retry later ({down})", headers={"Retry-After": str(retry)})
 
@@ -324,9 +334,13 @@ class Gateway:
                 turn = Turn(
                     caller=caller, session=sid, engine=url, usage_to_client=usage_to_client, path=path
                 )
+                ticket = self.pool.begin(url)  # counted in the engine's load while it runs
+                handed_over = False  # a stream closes its ticket when it ends
                 try:
                     if streaming:
-                        return await self._stream(turn, payload)
+                        response = await self._stream(turn, payload, ticket)
+                        handed_over = True
+                        return response
                     return await self._complete(turn, payload, request)
                 except _FAILOVER_ERRORS as e:
                     self.pool.mark_down(url, f"{type(e).__name__}: {e}")
@@ -337,6 +351,9 @@ class Gateway:
                     log.warning("engine %s answered 503; trying the next", url)
                 except _EngineFull as e:
                     full.append(e.error)
+                finally:
+                    if not handed_over:
+                        ticket.close()
             # Every engine believed healthy failed: one fresh look for engines that came back.
             await self.pool.probe_all()
             engines = [u for u in self.pool.candidates(affinity, preferred, model) if u not in tried]
@@ -417,7 +434,7 @@ class Gateway:
         await self.remember(turn, data.get("usage"), data.pop("keepwarm", None))
         return Response(content=json.dumps(data).encode(), media_type="application/json")
 
-    async def _stream(self, turn: Turn, payload: bytes) -> Response[Any]:
+    async def _stream(self, turn: Turn, payload: bytes, ticket: Ticket) -> Response[Any]:
         opening = asyncio.create_task(self._open(turn, payload))
         try:
             await self._race_loss(turn, opening)
@@ -425,14 +442,19 @@ class Gateway:
             if not opening.done():  # this request itself was cancelled (client gone)
                 opening.cancel()
         resp = opening.result()
+
+        async def finish() -> None:
+            ticket.close()
+            await resp.aclose()
+
         return Stream(
-            self._relay(turn, resp),
+            self._relay(turn, resp, ticket),
             media_type="text/event-stream",
             headers=dict(_SSE_HEADERS),
-            background=BackgroundTask(resp.aclose),  # also runs after a client disconnect
+            background=BackgroundTask(finish),  # also runs after a client disconnect
         )
 
-    async def _relay(self, turn: Turn, resp: httpx.Response) -> AsyncIterator[bytes]:
+    async def _relay(self, turn: Turn, resp: httpx.Response, ticket: Ticket) -> AsyncIterator[bytes]:
         pending = b""
         skip_blank = False
         try:
@@ -464,6 +486,7 @@ class Gateway:
             err = ApiError(502, f"engine failed mid-stream ({type(e).__name__}); retry the request").body()
             yield b"data: " + json.dumps(err).encode() + b"\n\n"
         finally:
+            ticket.close()
             # Shielded: after a client disconnect this frame runs inside a cancelled scope.
             with anyio.CancelScope(shield=True):
                 await resp.aclose()

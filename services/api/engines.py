@@ -50,7 +50,7 @@ import ipaddress
 import logging
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -60,6 +60,17 @@ import httpx
 log = logging.getLogger("keepwarm.api")
 
 DNS_PREFIX = "dns+"
+
+# (host, port) -> the host's IPv4 addresses; raises socket.gaierror (or OSError) like getaddrinfo.
+Resolver = Callable[[str, int], Awaitable[Sequence[str]]]
+
+
+async def system_resolver(host: str, port: int) -> list[str]:
+    """The A records of `host` through the system resolver (/etc/hosts, the container's DNS)."""
+    infos = await asyncio.get_running_loop().getaddrinfo(
+        host, port, family=socket.AF_INET, type=socket.SOCK_STREAM
+    )
+    return [str(info[4][0]) for info in infos]
 
 
 class EngineSourceError(ValueError):
@@ -164,6 +175,7 @@ class EnginePool:
         interval_s: float,
         probe_timeout_s: float = 2.0,
         timeouts_to_down: int = 3,
+        resolver: Resolver = system_resolver,
     ) -> None:
         assert engines, "an EnginePool needs at least one engine"
         parsed = [parse_engine(e) for e in engines]
@@ -177,6 +189,7 @@ class EnginePool:
         self._interval = interval_s
         self._probe_timeout = probe_timeout_s
         self._timeouts_to_down = timeouts_to_down
+        self._resolver = resolver
 
     @property
     def urls(self) -> list[str]:
@@ -269,12 +282,8 @@ class EnginePool:
 
     async def _lookup(self, n: DnsName) -> list[str] | None:
         """The name's IPv4 addresses, sorted; [] when it does not exist; None when the lookup failed."""
-        loop = asyncio.get_running_loop()
         try:
-            infos = await asyncio.wait_for(
-                loop.getaddrinfo(n.host, n.port, family=socket.AF_INET, type=socket.SOCK_STREAM),
-                timeout=self._probe_timeout,
-            )
+            found = await asyncio.wait_for(self._resolver(n.host, n.port), timeout=self._probe_timeout)
         except socket.gaierror as exc:
             if exc.errno in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)):
                 self._dns_error[n.source] = f"{n.host} does not resolve ({exc.strerror})"
@@ -285,7 +294,7 @@ class EnginePool:
             self._note_dns_error(n, f"lookup of {n.host} failed: {type(exc).__name__}: {exc}")
             return None
         self._dns_error.pop(n.source, None)
-        return sorted({str(info[4][0]) for info in infos}, key=ipaddress.IPv4Address)
+        return sorted(set(found), key=ipaddress.IPv4Address)
 
     def _note_dns_error(self, n: DnsName, why: str) -> None:
         if self._dns_error.get(n.source) != why:

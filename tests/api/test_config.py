@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from keepwarm.api.config import ConfigError, parse_api_keys, parse_config, read_api_keys_file
+from keepwarm.api.config import ConfigError, parse_api_keys, parse_api_keys_file, parse_config
 
 SECRET = "s" * 20
 
@@ -13,19 +13,25 @@ def test_keys_from_env_string() -> None:
     assert parse_api_keys("k1:alpha, k2:beta,") == {"k1": "alpha", "k2": "beta"}
     # A key may itself contain ':'; the tenant is after the last one.
     assert parse_api_keys("sk:abc:team") == {"sk:abc": "team"}
-    with pytest.raises(ConfigError, match="'key:tenant'"):
-        parse_api_keys("nocolon")
+    with pytest.raises(ValueError, match="item 2 must be 'key:tenant'"):
+        parse_api_keys("k1:alpha,nocolon")
+    # Through the loader the message names the variable and never echoes the (secret) keys.
+    with pytest.raises(ConfigError, match="KEEPWARM_API_KEYS: item 1 must be 'key:tenant'") as e:
+        parse_config(["--engine", "http://a"], {"KEEPWARM_API_KEYS": "sk-secret", "KEEPWARM_SECRET": SECRET})
+    assert "sk-secret" not in str(e.value)
 
 
 def test_keys_from_file(tmp_path: Path) -> None:
+    assert parse_api_keys_file("# comment\nk1 alpha\n\n k2  beta  # trailing\n") == {"k1": "alpha", "k2": "beta"}
     f = tmp_path / "keys"
-    f.write_text("# comment\nk1 alpha\n\n k2  beta  # trailing\n")
-    assert read_api_keys_file(f) == {"k1": "alpha", "k2": "beta"}
     f.write_text("k1 alpha extra\n")
-    with pytest.raises(ConfigError, match=r"keys:1: expected 'key tenant'"):
-        read_api_keys_file(f)
+    env = {"KEEPWARM_API_KEYS_FILE": str(f), "KEEPWARM_SECRET": SECRET}
+    with pytest.raises(ConfigError, match=r"KEEPWARM_API_KEYS_FILE '.*/keys': line 1: expected 'key tenant', got 3"):
+        parse_config(["--engine", "http://a"], env)
+    with pytest.raises(ConfigError, match="cannot read --api-keys-file '.*/missing': No such file"):
+        parse_config(["--engine", "http://a", "--api-keys-file", str(tmp_path / "missing")], env)
     with pytest.raises(ConfigError, match="cannot read KEEPWARM_API_KEYS_FILE"):
-        read_api_keys_file(tmp_path / "missing")
+        parse_config(["--engine", "http://a"], {**env, "KEEPWARM_API_KEYS_FILE": str(tmp_path / "missing")})
 
 
 def test_flags_override_env(tmp_path: Path) -> None:
@@ -60,7 +66,9 @@ def test_flags_override_env(tmp_path: Path) -> None:
         (["--engine", "http://a", "--engine", "http://a"], {"KEEPWARM_API_KEYS": "k:t", "KEEPWARM_SECRET": SECRET},
          "distinct"),
         (["--engine", "http://a"], {"KEEPWARM_API_KEYS": "k:t", "KEEPWARM_SECRET": SECRET,
-                                    "KEEPWARM_RATE_WINDOW": "x"}, "KEEPWARM_RATE_WINDOW must be a int"),
+                                    "KEEPWARM_RATE_WINDOW": "x"}, r"KEEPWARM_RATE_WINDOW 'x': expected a whole number \(default: 60\)"),
+        (["--engine", "http://a", "--health-timeout", "soon"], {"KEEPWARM_API_KEYS": "k:t", "KEEPWARM_SECRET": SECRET},
+         r"--health-timeout 'soon': expected a number \(default: 2.0\)"),
         # A ':' in a tenant would let "a:b"'s session "c" be tenant "a"'s session "b:c" in Redis.
         (["--engine", "http://a"], {"KEEPWARM_API_KEYS_FILE": "", "KEEPWARM_API_KEYS": "k:t", "KEEPWARM_SECRET": SECRET,
                                     "KEEPWARM_ADMIN_TENANTS": "a:b"}, r"tenant name 'a:b': use 1-64 of"),

@@ -66,6 +66,8 @@ def test_launcher_flags_become_env() -> None:
         "KEEPWARM_UI_API_KEY": "k",
         "KEEPWARM_UI_REFRESH_S": "2.0",
         "KEEPWARM_UI_TIMEOUT_S": "5.0",
+        "KEEPWARM_UI_ADDRESS": "127.0.0.1",
+        "KEEPWARM_UI_PORT": "8600",
     }
     from_env, _, env_port = launcher.parse(
         [], {"KEEPWARM_UI_GATEWAY": "http://gw:1", "KEEPWARM_UI_PORT": "9"}

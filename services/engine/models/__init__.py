@@ -25,7 +25,7 @@ MODEL_TYPE_TO_FAMILY = {
     "laguna": "laguna",
     "gpt_oss": "gpt_oss",
 }
-_PLACED = {"dense", "laguna", "gpt_oss"}  # families whose build takes a Placement
+_PLACED = {"dense", "laguna", "gpt_oss", "qwen3_5", "deepseek_v4"}  # families whose build takes a Placement
 
 
 def build_backend(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype, ops: Ops) -> Backend:

@@ -24,6 +24,8 @@ head_dim, C = d for HCA and 2d for CSA, dI = index_head_dim):
                                           [p % r, 2 dI], overlap_kv / overlap_gate [r or 0, dI]
   `sidecar.logits` [vocab] float32
 Hyper-connection streams live only within a token, so no mHC state persists.
+Each layer's state and weights live on its stage's device (models/placement.py); the mHC
+streams, positions and token ids move with the hidden state at a stage boundary.
 This is exactly transformers' cache (DeepseekV4HCACache / DeepseekV4CSACache), whose
 chunked forward equals its one-shot forward; so is ours at any chunk boundary.
 
@@ -57,6 +59,7 @@ from keepwarm.engine.models.deepseek_v4_weights import (
     load_weight,
     weight_specs,
 )
+from keepwarm.engine.models.placement import Placement
 from keepwarm.engine.models.rope import Rope, build_rope
 from keepwarm.kernels.ops import Ops
 
@@ -250,7 +253,7 @@ class DeepseekV4Backend:
         final_norm: torch.Tensor,
         hc_head: _HyperConnection,
         layers: list[_Layer],
-        device: torch.device,
+        placement: Placement,
         dtype: torch.dtype,
         ops: Ops,
     ) -> None:
@@ -261,15 +264,17 @@ class DeepseekV4Backend:
         self.final_norm = final_norm
         self.hc_head = hc_head
         self.layers = layers
-        self.device = device
+        self.placement = placement
+        self.device = placement.first  # where tokens enter; logits come out on placement.last
         self.dtype = dtype
         self.ops = ops
         self.vocab_size = cfg.vocab_size
         self.scale = cfg.head_dim**-0.5
         # sliding-only layers use the "main" rope; CSA/HCA layers, their compressors and
         # indexers all use the "compress" rope (its own theta, optionally YaRN)
-        self.rope_main = _rope_of(cfg, cfg.rope_main, device)
-        self.rope_compress = _rope_of(cfg, cfg.rope_compress, device)
+        # (on the first stage: every stage's cos/sin are computed there, then moved)
+        self.rope_main = _rope_of(cfg, cfg.rope_main, placement.first)
+        self.rope_compress = _rope_of(cfg, cfg.rope_compress, placement.first)
         self.geometry = geometry_of(cfg, dtype)
 
     # -- state -----------------------------------------------------------------------
@@ -280,10 +285,11 @@ class DeepseekV4Backend:
         for s in self.geometry.specs:
             if s.length_dim is None:
                 continue
+            device = self.placement.device_for(s.name)  # the layer's stage
             if s.name.endswith(".compressed"):  # append-only: preallocated for `capacity` tokens
-                tensors[s.name] = torch.empty(s.shape_at(capacity), dtype=s.dtype, device=self.device)
+                tensors[s.name] = torch.empty(s.shape_at(capacity), dtype=s.dtype, device=device)
             else:  # replaced at every step, right-sized
-                tensors[s.name] = torch.empty(s.shape_at(0), dtype=s.dtype, device=self.device)
+                tensors[s.name] = torch.empty(s.shape_at(0), dtype=s.dtype, device=device)
         return State(capacity=capacity, tensors=tensors)
 
     def export(self, state: State) -> Snapshot:
@@ -315,9 +321,9 @@ class DeepseekV4Backend:
             if name.endswith(".compressed"):
                 t[: src.shape[0]].copy_(src)
             else:
-                state.tensors[name] = src.to(self.device, copy=True)
+                state.tensors[name] = src.to(self.placement.device_for(name), copy=True)
         state.position = p
-        state.logits = snapshot.tensors[LOGITS].to(self.device, torch.float32, copy=True)
+        state.logits = snapshot.tensors[LOGITS].to(self.placement.last, torch.float32, copy=True)
         return state
 
     # -- compute -----------------------------------------------------------------------
@@ -358,6 +364,10 @@ class DeepseekV4Backend:
             "compress": _cos_sin(self.rope_compress, positions, self.dtype),
         }
         for i, layer in enumerate(self.layers):
+            dev = self.placement.device_of(i)
+            if streams.device != dev:  # a stage boundary: the mHC streams, positions and ids move on
+                streams, tokens = streams.to(dev), tokens.to(dev)
+                cos_sin = {k: (cos.to(dev), sin.to(dev)) for k, (cos, sin) in cos_sin.items()}
             post, comb, collapsed = _hc_weights(layer.attn_hc, streams, c)
             h = rms_norm(collapsed, layer.attn_norm, c.rms_norm_eps)
             out = self._attention(i, layer, h, states, step, cos_sin)
@@ -393,7 +403,7 @@ class DeepseekV4Backend:
         """Attention block over h [T, hidden] -> [T, hidden]: every projection over all T
         tokens, then per sequence its window, compressors, indexer and attention."""
         c, linear = self.cfg, self.ops.linear
-        t = h.shape[0]
+        t, dev = h.shape[0], h.device
         cos, sin = cos_sin["main" if layer.kind == SLIDING else "compress"]
         q_res = rms_norm(linear(h, layer.q_a), layer.q_a_norm, c.rms_norm_eps)  # [T, q_lora_rank]
         q = unweighted_rms_norm(linear(q_res, layer.q_b).view(t, c.num_heads, c.head_dim), c.rms_norm_eps)
@@ -421,10 +431,10 @@ class DeepseekV4Backend:
                 comp_rows = self._compress(comp, comp_kv[rows], comp_gate[rows], st, prefix, start)
                 if idx is None:
                     # HCA: query at q sees every block that ended at or before q
-                    q_pos = torch.arange(start, start + n, device=self.device)
+                    q_pos = torch.arange(start, start + n, device=dev)
                     visible = (q_pos + 1) // comp.rate
-                    entry = torch.arange(comp_rows.shape[0], device=self.device)
-                    comp_bias = torch.zeros((n, comp_rows.shape[0]), dtype=torch.float32, device=self.device)
+                    entry = torch.arange(comp_rows.shape[0], device=dev)
+                    comp_bias = torch.zeros((n, comp_rows.shape[0]), dtype=torch.float32, device=dev)
                     comp_bias.masked_fill_(entry[None, :] >= visible[:, None], float("-inf"))
                 else:
                     keys = self._compress(
@@ -451,16 +461,16 @@ class DeepseekV4Backend:
         then this chunk's rows (row 0 at position start - S0); comp_rows [C, d] with comp_bias
         [T, C] (0 or -inf). Query blocks keep scores at [H, block, W - 1 + block + C]."""
         w = self.cfg.sliding_window
-        t = q.shape[0]
+        t, dev = q.shape[0], q.device
         base = start + t - full.shape[0]
         out = torch.empty_like(q)
         for a in range(0, t, _QUERY_BLOCK):
             b = min(t, a + _QUERY_BLOCK)
             lo = max(start + a - w + 1, base)
             keys = full[lo - base : start + b - base]
-            q_pos = torch.arange(start + a, start + b, device=self.device)[:, None]
-            k_pos = torch.arange(lo, start + b, device=self.device)[None, :]
-            bias = torch.zeros((b - a, keys.shape[0]), dtype=torch.float32, device=self.device)
+            q_pos = torch.arange(start + a, start + b, device=dev)[:, None]
+            k_pos = torch.arange(lo, start + b, device=dev)[None, :]
+            bias = torch.zeros((b - a, keys.shape[0]), dtype=torch.float32, device=dev)
             bias.masked_fill_((k_pos > q_pos) | (k_pos <= q_pos - w), float("-inf"))
             if comp_rows is not None and comp_bias is not None:
                 keys = torch.cat([keys, comp_rows])
@@ -507,9 +517,9 @@ class DeepseekV4Backend:
                 ck, cg = wide_kv, wide_gate
             mixed = (ck * cg.softmax(dim=1, dtype=torch.float32).to(ck.dtype)).sum(dim=1)
             new = rms_norm(mixed, comp.norm, self.cfg.rms_norm_eps)
-            block_pos = (first + torch.arange(n, device=self.device)) * r
-            cos, sin = _cos_sin(self.rope_compress, block_pos, new.dtype)
-            rows[first : first + n] = apply_rope(new, cos, sin)
+            block_pos = (first + torch.arange(n, device=self.placement.first)) * r
+            cos, sin = _cos_sin(self.rope_compress, block_pos, new.dtype)  # on the first stage
+            rows[first : first + n] = apply_rope(new, cos.to(new.device), sin.to(new.device))
         return rows[: first + n]
 
     def _index(
@@ -519,23 +529,23 @@ class DeepseekV4Backend:
         query's top-k completed blocks by sum_h w_h * relu(q_h . k), -inf elsewhere. keys
         [C, dI] are the indexer compressor's rows, q [T, IH, dI] roped, weights [T, IH] float32."""
         c = self.cfg
-        t = q.shape[0]
+        t, dev = q.shape[0], q.device
         n_rows = keys.shape[0]
         if n_rows == 0:
-            return torch.zeros((t, 0), dtype=torch.float32, device=self.device)
+            return torch.zeros((t, 0), dtype=torch.float32, device=dev)
         # same op shapes as transformers' scorer, so near-ties resolve the same way
         scores = torch.matmul(
             q.float().unsqueeze(0), keys.transpose(-1, -2).float().unsqueeze(0).unsqueeze(1)
         )
         scores = F.relu(scores) * c.index_head_dim**-0.5  # [1, T, IH, C]
         index_scores = (scores * weights.unsqueeze(0).unsqueeze(-1)).sum(dim=2)[0]  # [T, C]
-        q_pos = torch.arange(start, start + t, device=self.device)
+        q_pos = torch.arange(start, start + t, device=dev)
         visible = ((q_pos + 1) // idx.comp.rate)[:, None]  # blocks completed at each query
-        entry = torch.arange(n_rows, device=self.device)[None, :]
+        entry = torch.arange(n_rows, device=dev)[None, :]
         index_scores = index_scores.masked_fill(entry >= visible, float("-inf"))
         top = index_scores.topk(min(c.index_topk, n_rows), dim=-1).indices  # [T, k]
         top = torch.where(top < visible, top, torch.full_like(top, n_rows))  # future picks -> spare column
-        bias = torch.full((t, n_rows + 1), float("-inf"), dtype=torch.float32, device=self.device)
+        bias = torch.full((t, n_rows + 1), float("-inf"), dtype=torch.float32, device=dev)
         bias.scatter_(-1, top, 0.0)
         return bias[:, :n_rows]
 
@@ -618,8 +628,14 @@ def _rope_of(cfg: DeepseekV4Config, params: dict[str, object], device: torch.dev
     return build_rope(flat, cfg.head_dim, device)
 
 
-def build(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, ops: Ops) -> DeepseekV4Backend:
+def build(
+    ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype, ops: Ops
+) -> DeepseekV4Backend:
+    """Each layer's weights straight onto its stage's device; the embedding on the first
+    stage, the final norm, the mHC head and the head on the last."""
     cfg = DeepseekV4Config.from_dict(ckpt.config)
+    placement = Placement.of(where, cfg.num_layers)
+    device = placement.first  # where `get` loads to: set per layer, then per stage below
     w = {s.key: s for s in weight_specs(cfg)}
 
     def get(key: str) -> torch.Tensor:
@@ -641,6 +657,7 @@ def build(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, ops: Ops) 
 
     layers: list[_Layer] = []
     for i, kind in enumerate(cfg.layer_types):
+        device = placement.device_of(i)
         p = f"layers.{i}."
         comp = compressor(p + "comp.", kind, i, cfg.head_dim) if kind in (CSA, HCA) else None
         indexer = None
@@ -678,7 +695,9 @@ def build(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, ops: Ops) 
                 shared_down=get(p + "shared.down"),
             )
         )
+    device = placement.first
     embed = get("embed")
-    lm_head = embed if cfg.tie_word_embeddings else get("lm_head")
+    device = placement.last
+    lm_head = embed.to(device) if cfg.tie_word_embeddings else get("lm_head")
     hc_head = hc("hc_head")
-    return DeepseekV4Backend(cfg, embed, lm_head, get("norm"), hc_head, layers, device, dtype, ops)
+    return DeepseekV4Backend(cfg, embed, lm_head, get("norm"), hc_head, layers, placement, dtype, ops)

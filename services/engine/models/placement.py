@@ -188,6 +188,14 @@ class Placement:
         by_layer: tuple[torch.device, ...] = self._by_layer  # type: ignore[attr-defined]
         return by_layer[layer]
 
+    def device_for(self, name: str) -> torch.device:
+        """Where a state tensor of canonical name `layers.{i}.…` lives: layer i's stage; any
+        other (`sidecar.logits`, model-wide state) on the last stage."""
+        parts = name.split(".", 2)
+        if parts[0] == "layers" and len(parts) > 2 and parts[1].isdigit():
+            return self.device_of(int(parts[1]))
+        return self.last
+
     def __str__(self) -> str:
         return ",".join(str(s) for s in self.stages)
 
@@ -195,12 +203,15 @@ class Placement:
     def ops(self, use_triton: bool | None = None) -> Ops:
         """The hot ops for every stage: one device kind's bundle, or one that picks by the
         device of each call's first tensor (a GPU stage and a CPU stage)."""
-        return self._per_device(lambda d: ops_for(d, use_triton))
+        return self.per_device(lambda d: ops_for(d, use_triton))
 
     def sliding_attention(self, use_triton: bool | None = None) -> SlidingAttentionOps:
-        return self._per_device(lambda d: sliding_attention_for(d, use_triton))
+        return self.per_device(lambda d: sliding_attention_for(d, use_triton))
 
-    def _per_device(self, make: Callable[[torch.device], T]) -> T:
+    def per_device(self, make: Callable[[torch.device], T]) -> T:
+        """`make(device)` when every stage is one kind of device; otherwise a bundle of the same
+        frozen-dataclass type whose functions pick each kind's implementation by the device of
+        their first (tensor) argument."""
         by_kind = {d.type: make(d) for d in self.devices}
         first = next(iter(by_kind.values()))
         if len(by_kind) == 1:

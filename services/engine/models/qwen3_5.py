@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from keepwarm.engine.cache.snapshot import LOGITS, Geometry, Snapshot, SnapshotMismatch, TensorSpec
 from keepwarm.engine.loading.checkpoint import Checkpoint, CheckpointError
 from keepwarm.engine.models.backend import State
+from keepwarm.engine.models.placement import Placement
 from keepwarm.engine.models.rope import Rope, build_rope
 from keepwarm.kernels.delta_rule import DeltaRuleOps, delta_rule_for
 from keepwarm.kernels.ops import Ops
@@ -221,7 +222,7 @@ class Qwen35Backend:
         lm_head: torch.Tensor,
         final_norm: torch.Tensor,
         layers: list[_Layer],
-        device: torch.device,
+        placement: Placement,
         dtype: torch.dtype,
         ops: Ops,
         delta_rule: DeltaRuleOps,
@@ -233,7 +234,8 @@ class Qwen35Backend:
         self.lm_head = lm_head
         self.final_norm = final_norm
         self.layers = layers
-        self.device = device
+        self.placement = placement
+        self.device = placement.first  # where tokens enter; logits come out on placement.last
         self.dtype = dtype
         self.ops = ops
         self.delta_rule = delta_rule
@@ -249,11 +251,11 @@ class Qwen35Backend:
         for s in self.geometry.specs:
             if s.name == LOGITS:
                 continue
-            shape = s.shape_at(capacity)
+            shape, device = s.shape_at(capacity), self.placement.device_for(s.name)  # the layer's stage
             if s.length_dim is None:
-                tensors[s.name] = torch.zeros(shape, dtype=s.dtype, device=self.device)
+                tensors[s.name] = torch.zeros(shape, dtype=s.dtype, device=device)
             else:
-                tensors[s.name] = torch.empty(shape, dtype=s.dtype, device=self.device)
+                tensors[s.name] = torch.empty(shape, dtype=s.dtype, device=device)
         return State(capacity=capacity, tensors=tensors)
 
     def export(self, state: State) -> Snapshot:
@@ -281,9 +283,9 @@ class Qwen35Backend:
         for s in self.geometry.specs:
             src = snapshot.tensors[s.name]
             if s.name == LOGITS:
-                state.logits = src.to(self.device, torch.float32, copy=True)
+                state.logits = src.to(self.placement.last, torch.float32, copy=True)
             elif s.length_dim is None:
-                state.tensors[s.name] = src.to(self.device, s.dtype, copy=True)
+                state.tensors[s.name] = src.to(self.placement.device_for(s.name), s.dtype, copy=True)
             else:
                 state.tensors[s.name].narrow(s.length_dim, 0, p).copy_(src)
         state.position = p
@@ -320,6 +322,9 @@ class Qwen35Backend:
         x = F.embedding(tokens, self.embed)  # [T, hidden]
         cos, sin = self.rope.cos_sin_at(step.positions(self.device), self.dtype)  # [T, R]
         for i, layer in enumerate(self.layers):
+            dev = self.placement.device_of(i)
+            if x.device != dev:  # a stage boundary: the hidden state and positions move on
+                x, cos, sin = x.to(dev), cos.to(dev), sin.to(dev)
             h = rms_norm_1p(x, layer.input_norm, c.rms_norm_eps)
             if isinstance(layer.mixer, _Linear):
                 x = x + self._linear(i, layer.mixer, h, states, step)
@@ -550,9 +555,13 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
-def build(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, ops: Ops) -> Qwen35Backend:
+def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype, ops: Ops) -> Qwen35Backend:
+    """Each layer's weights straight onto its stage's device; the embedding on the first
+    stage, the final norm and the head on the last."""
     raw = text_config(ckpt.config)
     cfg = Qwen35Config.from_dict(raw)
+    placement = Placement.of(where, cfg.num_layers)
+    device = placement.first  # where `w` loads to: set per layer, then per stage below
     prefix = "model.language_model." if ckpt.has("model.language_model.embed_tokens.weight") else "model."
     hid, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     hv = cfg.linear_num_value_heads
@@ -566,6 +575,7 @@ def build(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, ops: Ops) 
 
     layers: list[_Layer] = []
     for i, kind in enumerate(cfg.layer_types):
+        device = placement.device_of(i)
         p = f"layers.{i}."
         mixer: _Linear | _Attention
         if kind == LINEAR:
@@ -637,14 +647,16 @@ def build(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, ops: Ops) 
                 mlp=mlp,
             )
         )
+    device = placement.first
     embed = w("embed_tokens.weight", (cfg.vocab_size, hid))
+    device = placement.last
     if ckpt.has("lm_head.weight"):
         lm_head = ckpt.load("lm_head.weight", dtype, device, shape=(cfg.vocab_size, hid))
     elif cfg.tie_word_embeddings:
-        lm_head = embed
+        lm_head = embed.to(device)  # the same tensor unless the first and last stage differ
     else:
         raise CheckpointError(f"{ckpt.path}: lm_head.weight is missing and tie_word_embeddings is false")
-    rope = build_rope(raw, d, device)
+    rope = build_rope(raw, d, placement.first)
     if rope.rotary_dim > d:
         raise CheckpointError(f"config.json: rotary dim {rope.rotary_dim} exceeds head_dim {d}")
     return Qwen35Backend(
@@ -652,12 +664,12 @@ def build(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, ops: Ops) 
         rope,
         embed,
         lm_head,
-        norm_1p("norm.weight", (hid,)),
+        norm_1p("norm.weight", (hid,)),  # on the last stage
         layers,
-        device,
+        placement,
         dtype,
         ops,
-        delta_rule_for(device),  # the one place the delta-rule implementation is chosen
+        placement.per_device(delta_rule_for),  # the one place the delta-rule implementation is chosen
     )
 
 

@@ -1,0 +1,266 @@
+"""Scale out (issue 17): 3 engines on one cache folder behind 2 gateways sharing one Valkey,
+real processes on loopback. 12 multi-turn sessions run concurrently, each turn through the other
+gateway than the last; one engine is SIGKILLed while it has sequences running. Every session
+continues; the dead engine's sessions restore from the shared disk on their new engine; the only
+failures are the streams that were running on the killed engine; the folder holds nothing corrupt,
+orphaned or half-written, and its byte budget held while entries were evicted."""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+
+from keepwarm.engine.cache.index import LIVE, CacheIndex
+from keepwarm.engine.cache.snapshot_file import SUFFIX, TMP_SUFFIX, read_snapshot
+from tests.api.procs import (
+    ENGINE_AUTH,
+    ENGINE_TOKEN,
+    Proc,
+    start_engine,
+    start_gateway,
+    wait_http,
+    wait_snapshot_file,
+)
+
+SESSIONS = 12
+ROUNDS = 4  # turns per session (plus retries of failed ones)
+KILL_ROUND = 2  # the victim is killed while this round's turns run
+# Small enough that eviction runs during the test, large enough for every session's last two turns
+# (a tiny-model float32 snapshot is ~0.5 KiB per token plus 2 KiB of logits).
+DISK_BUDGET = 1_500_000
+ALPHA = {"Authorization": "Bearer key-alpha"}
+TOPICS = ["tides", "glaciers", "comets", "bees", "copper", "lighthouses", "owls", "deserts", "violins",
+          "volcanoes", "ferns", "saturn"]  # fmt: skip
+
+
+@dataclass
+class Attempt:
+    session: int
+    round: int
+    gateway: int
+    status: int  # HTTP status, or 502 for an error event inside a 200 stream
+    cache_source: str | None = None
+    cached_tokens: int = 0
+    engine: str | None = None  # the session's engine in Redis after a successful turn
+    reply: str = ""
+    started: float = 0.0
+    ended: float = 0.0
+
+
+@dataclass
+class Session:
+    index: int
+    stream: bool
+    messages: list[dict[str, str]] = field(default_factory=list)
+    attempts: list[Attempt] = field(default_factory=list)
+
+    @property
+    def sid(self) -> str:
+        return f"scale-{self.index}"
+
+
+def _post(gateway: Proc, s: Session, max_tokens: int) -> tuple[int, str, dict[str, Any] | None]:
+    """(status, reply text, usage) of one turn; an error event inside a stream is a 502."""
+    body: dict[str, Any] = {"model": "tiny", "messages": s.messages, "max_tokens": max_tokens,
+                            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    headers = {**ALPHA, "X-Session-Id": s.sid}
+    url = gateway.url + "/v1/chat/completions"
+    if not s.stream:
+        r = httpx.post(url, json=body, headers=headers, timeout=120)
+        if r.status_code != 200:
+            return r.status_code, "", None
+        data = r.json()
+        return 200, data["choices"][0]["message"]["content"], data["usage"]
+    body |= {"stream": True, "stream_options": {"include_usage": True}}
+    text, usage = [], None
+    with httpx.stream("POST", url, json=body, headers=headers, timeout=120) as r:
+        if r.status_code != 200:
+            r.read()
+            return r.status_code, "", None
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                return int(chunk["error"].get("code") or 502), "", None
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices") or []:
+                text.append(choice["delta"].get("content") or "")
+    return (200, "".join(text), usage) if usage is not None else (502, "", None)
+
+
+def _turn(s: Session, rnd: int, gateways: list[Proc], r: redis.Redis, max_tokens: int) -> None:
+    """One turn of `s`, retried (through the other gateway) until it succeeds, at most 3 times."""
+    s.messages.append({"role": "user", "content": f"Tell me more about {TOPICS[s.index]}, part {rnd}."})
+    for retry in range(3):
+        g = (s.index + rnd + retry) % 2  # each turn through the other gateway than the last
+        a = Attempt(session=s.index, round=rnd, gateway=g, status=0, started=time.monotonic())
+        a.status, a.reply, usage = _post(gateways[g], s, max_tokens)
+        a.ended = time.monotonic()
+        s.attempts.append(a)
+        if a.status == 200 and usage is not None:
+            a.cache_source = usage["timings"]["cache_source"]
+            a.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
+            a.engine = r.hget(f"keepwarm:session:alpha:{s.sid}", "engine")
+            s.messages.append({"role": "assistant", "content": a.reply})
+            return
+    raise AssertionError(f"session {s.index} round {rnd}: 3 attempts failed: {s.attempts[-3:]}")
+
+
+def _check_folder(cache: Path) -> tuple[int, int]:
+    """(files, bytes): every indexed entry is LIVE, its file exists and loads; every snapshot
+    file is indexed; no temp file is left."""
+    assert sorted(cache.rglob(f"*{TMP_SUFFIX}")) == []
+    index = CacheIndex(cache, owner="scale-out-test")
+    try:
+        rows, garbage = index.all_rows()
+    finally:
+        index.close()
+    assert garbage == 0 and rows, "the index lists nothing"
+    assert collections.Counter(r.state for r in rows) == {LIVE: len(rows)}  # no WRITING / EVICTING left
+    files = {p.relative_to(cache) for p in cache.glob(f"*/*/*{SUFFIX}")}
+    listed = {Path(r.namespace) / r.key[:2] / f"{r.key}{SUFFIX}" for r in rows}
+    assert listed == files  # nothing lost, nothing orphaned
+    for row in rows:
+        path = cache / row.namespace / row.key[:2] / f"{row.key}{SUFFIX}"
+        snapshot, tokens = read_snapshot(path, namespace=row.namespace, key=row.key)  # verifies checksums
+        assert (len(tokens), snapshot.position, path.stat().st_size) == (row.tokens, row.position, row.bytes)
+    return len(rows), sum(r.bytes for r in rows)
+
+
+def test_three_engines_two_gateways_one_engine_killed(
+    demo_model: Path, tmp_path: Path, logs: Path, valkey: Proc, redis_sync: redis.Redis
+) -> None:
+    t_start = time.monotonic()
+    cache = tmp_path / "cache"
+    flags = ["--disk-budget", str(DISK_BUDGET), "--min-free-disk", "0", "--writer-queue", "64"]
+    engines = [start_engine(demo_model, cache, logs, extra=flags, token=ENGINE_TOKEN, wait=False)
+               for _ in range(3)]  # fmt: skip
+    procs: list[Proc] = list(engines)
+    try:
+        for e in engines:
+            wait_http(e)
+        gateways = [start_gateway([e.url for e in engines], valkey.url, logs, engine_token=ENGINE_TOKEN,
+                                  extra=["--health-interval", "0.25"], wait=False) for _ in range(2)]  # fmt: skip
+        procs += gateways
+        for g in gateways:
+            wait_http(g)
+        t_up = time.monotonic()
+        sessions = [Session(i, stream=i % 2 == 1) for i in range(SESSIONS)]
+        for s in sessions:
+            s.messages.append({"role": "system", "content": f"Topic: {TOPICS[s.index]}. Answer briefly."})
+        victim: Proc | None = None
+        killed_at = 0.0
+        in_flight_at_kill = 0
+
+        def kill_when_busy(target: Proc, sessions_on_it: int) -> None:
+            """SIGKILL once all of its sessions' turns are running there (or some, for 2 s)."""
+            nonlocal killed_at, in_flight_at_kill
+            deadline, busy_since = time.monotonic() + 30, None
+            while time.monotonic() < deadline:
+                h = httpx.get(target.url + "/health", headers=ENGINE_AUTH, timeout=5).json()
+                n = h["running"] + h["waiting"]
+                busy_since = busy_since or (time.monotonic() if n else None)
+                if n >= sessions_on_it or (busy_since and time.monotonic() - busy_since > 2.0):
+                    in_flight_at_kill = n
+                    print("KILL", n, sessions_on_it, h)
+                    target.kill()
+                    killed_at = time.monotonic()
+                    return
+                time.sleep(0.005)
+            raise AssertionError("the victim never had a sequence running")
+
+        with concurrent.futures.ThreadPoolExecutor(SESSIONS + 1) as pool:
+            for rnd in range(ROUNDS):
+                killer = None
+                if rnd == KILL_ROUND:
+                    by_engine = collections.defaultdict(list)
+                    for s in sessions:
+                        by_engine[s.attempts[-1].engine].append(s)
+                    # Least-load routing spread the sessions: every engine has some.
+                    assert sorted(by_engine) == sorted(e.url for e in engines), dict(by_engine)
+                    victim = max(engines, key=lambda e: (len(by_engine[e.url]), e.url))
+                    # Their last turns' entries are on the shared disk before the crash.
+                    for s in by_engine[victim.url]:
+                        wait_snapshot_file(cache, redis_sync.hget(f"keepwarm:session:alpha:{s.sid}", "key"))
+                    killer = pool.submit(kill_when_busy, victim, len(by_engine[victim.url]))
+                max_tokens = 48 if rnd == KILL_ROUND else 8
+                turns = [pool.submit(_turn, s, rnd, gateways, redis_sync, max_tokens) for s in sessions]
+                for f in turns:
+                    f.result()
+                if killer is not None:
+                    killer.result()
+        t_run = time.monotonic()
+        assert victim is not None and not victim.alive()
+
+        attempts = [a for s in sessions for a in s.attempts]
+        moved = [s for s in sessions if s.attempts[0].engine == victim.url]
+        stayed = [s for s in sessions if s not in moved]
+        failures = [a for a in attempts if a.status != 200]
+        # Every session finished every round; the only failures are streams that were running on
+        # the victim when it died (non-streamed requests fail over before any byte reaches the
+        # client): its sessions' kill-round turns, in flight across the kill.
+        assert all(sum(a.status == 200 for a in s.attempts) == ROUNDS for s in sessions)
+        assert in_flight_at_kill >= 1 and len(failures) <= len(moved)
+        for a in failures:
+            assert a.status == 502 and a.round == KILL_ROUND and sessions[a.session] in moved
+            assert sessions[a.session].stream and a.started < killed_at < a.ended
+        for s in sessions:
+            ok = [a for a in s.attempts if a.status == 200]
+            assert len({a.engine for a in ok[:KILL_ROUND]}) == 1  # affinity across both gateways
+            assert all(a.cached_tokens > 0 for a in ok[1:]), [(a.round, a.cache_source) for a in ok]
+        for s in stayed:
+            ok = [a for a in s.attempts if a.status == 200]
+            assert {a.engine for a in ok} == {ok[0].engine}  # never moved
+            assert [a.cache_source for a in ok[1:]] == ["memory"] * (ROUNDS - 1)
+        for s in moved:
+            after = [a for a in s.attempts if a.status == 200 and a.ended > killed_at]
+            # The first turn served after the crash came from another engine, restored from disk.
+            assert after and after[0].engine != victim.url
+            assert after[0].cache_source == "disk" and after[0].cached_tokens > 0, after[0]
+            assert all(a.engine == after[0].engine for a in after)  # and the session stays there
+        for g in gateways:
+            health = httpx.get(g.url + "/health", timeout=10).json()
+            assert {e["url"]: e["healthy"] for e in health["engines"]} == {
+                e.url: e is not victim for e in engines
+            }
+            assert [e["running"] for e in health["engines"] if e["url"] == victim.url] == [None]
+
+        survivors = [e for e in engines if e is not victim]
+        evictions = 0
+        for e in survivors:
+            disk = httpx.get(e.url + "/v1/cache?limit=1", headers=ENGINE_AUTH, timeout=30).json()["stats"][
+                "disk"
+            ]
+            evictions += disk["evictions"]
+            assert disk["budget_bytes"] == DISK_BUDGET and disk["num_bytes"] <= DISK_BUDGET
+        assert evictions > 0, "the budget never made anyone evict"
+        # The crashed engine comes back on the folder (its start settles what it left mid-write),
+        # then everything stops cleanly.
+        revived = start_engine(demo_model, cache, logs, port=int(victim.url.rsplit(":", 1)[1]), extra=flags,
+                               token=ENGINE_TOKEN)  # fmt: skip
+        procs.append(revived)
+        for p in reversed(procs):
+            p.stop()
+        files, nbytes = _check_folder(cache)
+        assert nbytes <= DISK_BUDGET
+        t_end = time.monotonic()
+        print(
+            f"\nscale-out: up {t_up - t_start:.1f} s, {ROUNDS} rounds x {SESSIONS} sessions "
+            f"{t_run - t_up:.1f} s, checks {t_end - t_run:.1f} s; {len(attempts)} requests, "
+            f"{len(failures)} failed (in flight on the victim at the kill: {in_flight_at_kill}); "
+            f"{len(moved)} sessions moved, restored from disk; {evictions} evictions; "
+            f"{files} files, {nbytes} bytes of {DISK_BUDGET}"
+        )
+    finally:
+        for p in reversed(procs):
+            p.stop()
