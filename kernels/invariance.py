@@ -4,14 +4,17 @@ batches (and, for attention, a decode step and prefill chunks with the one-shot 
 If any differ, invariant mode is refused for the process: one ERROR log line says which op
 and shape failed, and every later call (including the failing one) runs the fallback bundle.
 
-Buckets: linear by (dtype, N, K, bias); rms_norm by (dtype, D); silu_mul by (dtype, I);
-attention by (dtype, Hq, Hkv, D). The row count is what the probe varies: 1..PROBE_ROWS
+Buckets: linear by (dtype, N, K, bias); rms_norm and rms_norm_1p by (dtype, D); silu_mul by
+(dtype, I); exp / sigmoid / silu / softplus by (dtype, last dim); conv_silu by (dtype, C, K);
+attention by (dtype, Hq, Hkv, D); the delta rule by (dtype, Hk, Hv, Dk, Dv): chunks and single
+tokens against one call, and a head alone against the same head folded among others. The row count is what the probe varies: 1..PROBE_ROWS
 rows, so it crosses the linear kernel's streaming/tiled switch (16 rows) and the attention
 key tiles (16)."""
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import replace
@@ -88,6 +91,74 @@ def probe_attention(
     return None
 
 
+def probe_rms_norm_1p(
+    rms_norm_1p: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor],
+    scale: torch.Tensor,
+    eps: float,
+    dtype: torch.dtype,
+) -> str | None:
+    g = torch.Generator().manual_seed(4)
+    x = _rand((PROBE_ROWS, scale.shape[0]), dtype, g, scale.device)
+    return _rows_differ(lambda r: rms_norm_1p(r, scale, eps), x, f"rms_norm_1p D={scale.shape[0]} {dtype}")
+
+
+def probe_pointwise(name: str, fn: Callable[[torch.Tensor], torch.Tensor], like: torch.Tensor) -> str | None:
+    g = torch.Generator().manual_seed(5)
+    x = _rand((PROBE_ROWS, like.shape[-1]), like.dtype, g, like.device) * 8
+    return _rows_differ(fn, x, f"{name} last dim {like.shape[-1]} {like.dtype}")
+
+
+def probe_conv_silu(
+    conv_silu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], weight: torch.Tensor
+) -> str | None:
+    """Each output of one long window against the same output from its own K-long window."""
+    g = torch.Generator().manual_seed(6)
+    c, k = weight.shape[0], weight.shape[-1]
+    x = _rand((c, PROBE_ROWS + k - 1), weight.dtype, g, weight.device)
+    full = conv_silu(x, weight)  # [C, PROBE_ROWS]
+    for t in ALONE:
+        if not torch.equal(conv_silu(x[None, :, t : t + k], weight)[0, :, 0], full[:, t]):
+            return f"conv_silu C={c} K={k} {weight.dtype}: output {t} differs alone and in a {PROBE_ROWS}-long call"
+    return None
+
+
+def probe_delta_rule(
+    ops: Ops, hk: int, hv: int, dk: int, dv: int, dtype: torch.dtype, device: torch.device
+) -> str | None:
+    """A span in one prefill call, in chunks, and token by token through decode; and a sequence
+    folded with two others into the head dim of one decode call."""
+    g = torch.Generator().manual_seed(7)
+    t = 19
+    q, k = (_rand((t, hk, dk), dtype, g, device) for _ in range(2))
+    v = _rand((t, hv, dv), dtype, g, device)
+    gate = -torch.rand((t, hv), generator=g).to(device)
+    beta = torch.rand((t, hv), generator=g).to(device=device, dtype=dtype)
+    s0 = _rand((hv, dk, dv), torch.float32, g, device)
+    what = f"delta rule Hk={hk} Hv={hv} Dk={dk} Dv={dv} {dtype}"
+    full, s_full = ops.delta_rule_prefill(q, k, v, gate, beta, s0)
+    for step, fn in ((7, ops.delta_rule_prefill), (1, ops.delta_rule_decode)):
+        s, outs = s0, []
+        for i in range(0, t, step):
+            o, s = fn(
+                q[i : i + step], k[i : i + step], v[i : i + step], gate[i : i + step], beta[i : i + step], s
+            )
+            outs.append(o)
+        if not (torch.equal(torch.cat(outs), full) and torch.equal(s, s_full)):
+            return f"{what}: {step}-token calls differ from one {t}-token call"
+    alone, s_alone = ops.delta_rule_decode(q[:1], k[:1], v[:1], gate[:1], beta[:1], s0)
+    folded, s_folded = ops.delta_rule_decode(
+        q[:3].reshape(1, 3 * hk, dk),
+        k[:3].reshape(1, 3 * hk, dk),
+        v[:3].reshape(1, 3 * hv, dv),
+        gate[:3].reshape(1, 3 * hv),
+        beta[:3].reshape(1, 3 * hv),
+        torch.cat([s0, s0.flip(0), s0 * 0.5]),
+    )
+    if not (torch.equal(folded[0, :hv], alone[0]) and torch.equal(s_folded[:hv], s_alone)):
+        return f"{what}: a sequence alone differs from the same sequence folded into a 3-sequence decode"
+    return None
+
+
 class SelfCheck:
     """Wraps an invariant Ops bundle: probes each bucket once, and after a failed probe runs
     `fallback` for good. `refused` holds the failure (None while invariant mode holds)."""
@@ -132,6 +203,68 @@ class SelfCheck:
         key = ("silu_mul", gate.dtype, gate.shape[-1])
         return self._check(key, lambda: probe_silu_mul(self.fast.silu_mul, gate)).silu_mul(gate, up)
 
+    def rms_norm_1p(self, x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+        key = ("rms_norm_1p", x.dtype, scale.shape[0])
+        return self._check(
+            key, lambda: probe_rms_norm_1p(self.fast.rms_norm_1p, scale, eps, x.dtype)
+        ).rms_norm_1p(x, scale, eps)
+
+    def _pointwise(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        key = (name, x.dtype, x.shape[-1])
+        fn = getattr(self._check(key, lambda: probe_pointwise(name, getattr(self.fast, name), x)), name)
+        return fn(x)
+
+    def exp(self, x: torch.Tensor) -> torch.Tensor:
+        return self._pointwise("exp", x)
+
+    def sigmoid(self, x: torch.Tensor) -> torch.Tensor:
+        return self._pointwise("sigmoid", x)
+
+    def silu(self, x: torch.Tensor) -> torch.Tensor:
+        return self._pointwise("silu", x)
+
+    def softplus(self, x: torch.Tensor) -> torch.Tensor:
+        return self._pointwise("softplus", x)
+
+    def conv_silu(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        key = ("conv_silu", weight.dtype, weight.shape[0], weight.shape[-1])
+        return self._check(key, lambda: probe_conv_silu(self.fast.conv_silu, weight)).conv_silu(x, weight)
+
+    def _delta_rule_ops(self, q: torch.Tensor, v: torch.Tensor, state: torch.Tensor) -> Ops:
+        # a decode call folds B sequences into the heads: bucket by one sequence's heads is not
+        # knowable here, so the bucket is the head dims and the dtype; the probe folds 3.
+        hk, hv = q.shape[1], v.shape[1]
+        unit = math.gcd(hk, hv)  # smallest (Hk, Hv) with this grouping
+        key = ("delta_rule", q.dtype, hk // unit, hv // unit, q.shape[2], v.shape[2])
+        return self._check(
+            key,
+            lambda: probe_delta_rule(
+                self.fast, hk // unit, hv // unit, q.shape[2], v.shape[2], q.dtype, q.device
+            ),
+        )
+
+    def delta_rule_prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._delta_rule_ops(q, v, state).delta_rule_prefill(q, k, v, g, beta, state)
+
+    def delta_rule_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._delta_rule_ops(q, v, state).delta_rule_decode(q, k, v, g, beta, state)
+
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # elementwise products and sums: each element one IEEE operation whatever the shape
         return (self.fallback if self.refused is not None else self.fast).rotary(x, cos, sin)
@@ -161,4 +294,12 @@ class SelfCheck:
             decode_attention=self.decode_attention,
             linear=self.linear,
             silu_mul=self.silu_mul,
+            rms_norm_1p=self.rms_norm_1p,
+            exp=self.exp,
+            sigmoid=self.sigmoid,
+            silu=self.silu,
+            softplus=self.softplus,
+            conv_silu=self.conv_silu,
+            delta_rule_prefill=self.delta_rule_prefill,
+            delta_rule_decode=self.delta_rule_decode,
         )

@@ -9,13 +9,21 @@ Shapes (one sequence, no batch dim):
   decode_attention(q [Hq, D], k [S, Hkv, D], v [S, Hkv, D], scale) -> [Hq, D]
   linear(x [..., K], weight [N, K], bias [N] | None) -> [..., N]   (torch.nn.functional.linear)
   silu_mul(gate [..., I], up [..., I]) -> [..., I]   (silu(gate) * up)
+  rms_norm_1p(x [..., D], scale [D] float32, eps) -> [..., D]   (Qwen3.5: scale = 1 + weight)
+  exp(x), sigmoid(x), silu(x), softplus(x) -> x's shape and dtype
+  softmax(x, dim) -> float32 softmax over `dim` (invariant: max, exp, then a sum in index order)
+  conv_silu(x [..., C, L], weight [C, 1, K]) -> [..., C, L-K+1]   (silu of a depthwise causal conv)
+  topk(x [..., E], k) -> (values, indices) [..., k]   (invariant: ties to the lowest index)
+  delta_rule_prefill / delta_rule_decode: the gated delta rule (kernels/delta_rule.py's contract)
+      for a chunk of many tokens / one token
 Hq is a multiple of Hkv (GQA/MQA).
 
 Invariant mode (the CPU default): every op's result for a row (a token, a query) is the
 same bits whatever else is in the call — batch composition, prefill chunk length, decode vs
 prefill — so a prefix restored from the cache computes exactly like the uncached prefill.
-The CPU bundle "cpu_invariant" uses the kernels of cpu_linear, cpu_rowwise and
-cpu_attention behind the start-up self-check (kernels/invariance.py).
+The CPU bundle "cpu_invariant" uses the kernels of cpu_linear, cpu_rowwise, cpu_attention
+and cpu_delta_rule (one token-serial recurrence for prefill and decode) behind the start-up
+self-check (kernels/invariance.py).
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from keepwarm.kernels import reference
+from keepwarm.kernels.delta_rule import DeltaRuleFn, chunk_gated_delta_rule, recurrent_gated_delta_rule
 
 
 @dataclass(frozen=True)
@@ -39,6 +48,16 @@ class Ops:
     decode_attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
     linear: Callable[..., torch.Tensor] = F.linear
     silu_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = reference.silu_mul
+    rms_norm_1p: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = reference.rms_norm_1p
+    exp: Callable[[torch.Tensor], torch.Tensor] = torch.exp
+    softmax: Callable[[torch.Tensor, int], torch.Tensor] = reference.softmax
+    sigmoid: Callable[[torch.Tensor], torch.Tensor] = torch.sigmoid
+    silu: Callable[[torch.Tensor], torch.Tensor] = F.silu
+    softplus: Callable[[torch.Tensor], torch.Tensor] = F.softplus
+    conv_silu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = reference.conv_silu
+    topk: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] = reference.topk
+    delta_rule_prefill: DeltaRuleFn = chunk_gated_delta_rule
+    delta_rule_decode: DeltaRuleFn = recurrent_gated_delta_rule
 
 
 TORCH_OPS = Ops(
@@ -67,12 +86,13 @@ def cpu_ops(invariant: bool = True) -> Ops:
     """The CPU bundle. invariant: the invariant kernels behind the self-check (one SelfCheck
     per process, so a refusal holds for every backend); else the references plus the
     decode GEMV. Without AVX-512 BF16 (or with a failed build) both are the references."""
-    from keepwarm.kernels import cpu_attention, cpu_linear, cpu_rowwise
+    from keepwarm.kernels import cpu_attention, cpu_delta_rule, cpu_linear, cpu_rowwise
 
     if not cpu_linear.available():  # builds the extension once, here, not on the first call
         return TORCH_OPS
     plain = replace(TORCH_OPS, name="torch+cpu_linear", linear=_decode_rows_linear)
-    if not invariant or not (cpu_attention.available() and cpu_rowwise.available()):
+    kernels = (cpu_attention, cpu_rowwise, cpu_delta_rule)
+    if not invariant or not all(k.available() for k in kernels):
         return plain
     from keepwarm.kernels.invariance import SelfCheck
 
@@ -84,6 +104,16 @@ def cpu_ops(invariant: bool = True) -> Ops:
         decode_attention=cpu_attention.decode_attention,
         linear=cpu_linear.linear,
         silu_mul=cpu_rowwise.silu_mul,
+        rms_norm_1p=cpu_rowwise.rms_norm_1p,
+        exp=cpu_rowwise.exp,
+        softmax=cpu_rowwise.softmax,
+        sigmoid=cpu_rowwise.sigmoid,
+        silu=cpu_rowwise.silu,
+        softplus=cpu_rowwise.softplus,
+        conv_silu=cpu_rowwise.conv_silu,
+        topk=reference.stable_topk,
+        delta_rule_prefill=cpu_delta_rule.gated_delta_rule,  # token-serial: chunk == decode
+        delta_rule_decode=cpu_delta_rule.gated_delta_rule,
     )
     return SelfCheck(fast, plain).ops()
 

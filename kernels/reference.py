@@ -16,6 +16,38 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def rms_norm_1p(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3.5's zero-centred RMSNorm: float32 normalize, times `scale` = 1 + weight (float32),
+    then cast back (transformers: `(x_norm * (1 + w)).type_as(x)`)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * scale).to(x.dtype)
+
+
+def conv_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., C, L], weight [C, 1, K] -> [..., C, L - K + 1]: silu(depthwise causal conv1d)."""
+    lead = x.shape[:-2]
+    y = F.conv1d(x.reshape(-1, *x.shape[-2:]), weight, groups=weight.shape[0])
+    return F.silu(y).reshape(*lead, *y.shape[-2:])
+
+
+def softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """torch.softmax over `dim` in float32."""
+    return torch.softmax(x, dim=dim, dtype=torch.float32)
+
+
+def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk over the last dim (which of equal values it returns is unspecified)."""
+    return torch.topk(x, k, dim=-1)
+
+
+def stable_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest over the last dim ranked by (value descending, index ascending): of equal
+    values the lowest index wins, whatever else the call holds (a stable sort per row)."""
+    values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
+    return values[..., :k], indices[..., :k]
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from keepwarm.kernels.delta_rule import triton_chunk_gated_delta_rule, triton_gated_delta_rule
 from keepwarm.kernels.ops import Ops
 
 # Smallest tile side tl.dot accepts on a GPU; head dims and query groups are padded up to it.
@@ -449,4 +450,6 @@ TRITON_OPS = Ops(
     rotary=rotary,
     prefill_attention=prefill_attention,
     decode_attention=decode_attention,
+    delta_rule_prefill=triton_chunk_gated_delta_rule,
+    delta_rule_decode=triton_gated_delta_rule,
 )

@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 _KEY = "keepwarm.setting"
-_DERIVED: Any = object()  # "--<field-name>" / "<prefix><FIELD_NAME>"
+_DERIVED = "<derived>"  # the flag "--<field-name>" (a string: equal under `python -m` too)
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -51,7 +51,7 @@ class SettingsError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Setting:
     help: str = ""
-    flag: Any = _DERIVED  # "--name", None (environment only), or derived from the field name
+    flag: str | None = _DERIVED  # "--name", None (environment only), or derived from the field name
     env: tuple[str, ...] | None = None  # looked up in order, the first set one wins; None: derived
     parse: Callable[[str], Any] | None = None  # None: from the field's type
     show: Callable[[Any], str] | None = None  # a value as text (--help, tables, to_env)
@@ -70,7 +70,7 @@ def setting(
     *,
     default_factory: Any = dataclasses.MISSING,
     help: str = "",
-    flag: Any = _DERIVED,
+    flag: str | None = _DERIVED,
     env: tuple[str, ...] | None = None,
     parse: Callable[[str], Any] | None = None,
     show: Callable[[Any], str] | None = None,
@@ -224,7 +224,7 @@ def specs(model: type) -> tuple[Spec, ...]:
             meta = Setting()
         else:
             continue
-        flag = "--" + f.name.replace("_", "-") if meta.flag is _DERIVED else meta.flag
+        flag = "--" + f.name.replace("_", "-") if meta.flag == _DERIVED else meta.flag
         if meta.env is not None:
             env = meta.env
         else:
@@ -279,9 +279,9 @@ def env_names(model: type) -> frozenset[str]:
 # --- reading ----------------------------------------------------------------------------------
 
 
-def _converted(spec: Spec, where: str, raw: str, parse: Callable[[str], Any]) -> Any:
+def _converted(spec: Spec, where: str, raw: str) -> Any:
     try:
-        return parse(raw)
+        return spec.parse(raw)
     except ValueError as e:
         shown = "" if spec.secret else f" {raw!r}"
         default = "" if spec.secret else f" (default: {spec.default_text})"
@@ -301,13 +301,13 @@ def _inline(spec: Spec, args: argparse.Namespace | None, env: Mapping[str, str])
     if given is not None:
         assert spec.flag is not None
         if spec.repeat:
-            return tuple(x for raw in given for x in _converted(spec, spec.flag, raw, spec.parse))
-        return _converted(spec, spec.flag, given, spec.parse)
+            return tuple(x for raw in given for x in _converted(spec, spec.flag, raw))
+        return _converted(spec, spec.flag, given)
     found = _from_env(env, spec.env)
     if found is None:
         return dataclasses.MISSING
     name, raw = found
-    return _converted(spec, name, raw, spec.parse)
+    return _converted(spec, name, raw)
 
 
 def _from_file(spec: Spec, args: argparse.Namespace | None, env: Mapping[str, str]) -> Any:
@@ -340,12 +340,14 @@ def read(
     values: dict[str, Any] = {}
     for spec in specs(model):
         value = _inline(spec, args, env)
-        from_file = _from_file(spec, args, env)
-        if from_file is not dataclasses.MISSING:
-            if value is dataclasses.MISSING:
-                value = from_file
-            elif spec.merge is not None:
-                value = spec.merge(from_file, value)
+        if value is dataclasses.MISSING or spec.merge is not None:  # else the inline value wins unread
+            from_file = _from_file(spec, args, env)
+            if from_file is not dataclasses.MISSING:
+                if value is dataclasses.MISSING:
+                    value = from_file
+                else:
+                    assert spec.merge is not None
+                    value = spec.merge(from_file, value)
         if value is not dataclasses.MISSING:
             values[spec.name] = value
     return values
@@ -364,9 +366,10 @@ def load(
 def to_env(settings: Any) -> dict[str, str]:
     """{variable: text} that `load` reads back to the same settings (secrets included: this is
     for a child process's environment, never for display)."""
+    model: type = type(settings)
     return {
         s.env[0]: s.show(getattr(settings, s.name))
-        for s in specs(type(settings))
+        for s in specs(model)
         if s.env and getattr(settings, s.name) is not None
     }
 
@@ -458,4 +461,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from keepwarm.settings import main as _main  # the module the models use, not this __main__ copy
+
+    sys.exit(_main())

@@ -21,7 +21,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -31,9 +31,11 @@ import tomllib
 import yaml
 
 from keepwarm.api import bootstrap
-from keepwarm.api.config import parse_config
+from keepwarm.api.config import GatewayConfig, parse_config
 from keepwarm.engine.config import EngineConfig, config_from
+from keepwarm.settings import env_names
 from keepwarm.ui.__main__ import parse as parse_ui
+from keepwarm.ui.settings import UiSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_V1 = Path("/usr/bin/docker-compose")
@@ -406,10 +408,10 @@ def _env_literals(*paths: Path) -> set[str]:
 
 
 def accepted_env() -> dict[str, set[str]]:
-    engine = {"KEEPWARM_" + f.name.upper() for f in fields(EngineConfig)}
+    engine = set(env_names(EngineConfig))
     engine |= set(re.findall(r"KEEPWARM_[A-Z0-9_]+", ENTRYPOINT.read_text()))
-    api = _env_literals(ROOT / "services/api/config.py", ROOT / "services/api/bootstrap.py")
-    ui = _env_literals(ROOT / "services/ui/settings.py", ROOT / "services/ui/__main__.py")
+    api = set(env_names(GatewayConfig)) | _env_literals(ROOT / "services/api/bootstrap.py")
+    ui = set(env_names(UiSettings))
     return {"engine": engine, "api": api, "ui": ui, "redis": set()}
 
 

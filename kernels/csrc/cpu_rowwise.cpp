@@ -8,6 +8,13 @@
 //     transformers' Llama/Qwen RMSNorm: normalize in fp32, cast, then scale).
 //   silu_mul(gate [..., I], up [..., I]) -> [..., I]: round(round(g / (1 + exp(-g))) * up), the
 //     rounding to the inputs' dtype (as torch's F.silu(gate) * up).
+//   rms_norm_1p(x [..., D], scale [D] fp32, eps) -> [..., D]: round(x * r * scale) with r as
+//     rms_norm's, the products in fp32 (Qwen3.5's zero-centred norm, scale = 1 + weight).
+//   pointwise(x, op) -> x's shape and dtype: exp, sigmoid 1 / (1 + exp(-x)), silu x / (1 + exp(-x)),
+//     softplus max(x, 0) + log1p(exp(-|x|)) (x itself above 20, as torch), in fp32, rounded once.
+//   conv_silu(x [..., C, L], weight [C, 1, K]) -> [..., C, L - K + 1]: the depthwise causal
+//     convolution y[c, t] = round(w[c, 0] x[c, t] + ... + w[c, K-1] x[c, t + K - 1]) summed in
+//     fp32 in tap order, then silu (rounded), as F.silu(F.conv1d(x, weight, groups=C)).
 // bf16 or fp32; the last dim contiguous, rows may be strided (a chunk of a fused projection).
 // Compiled with -mavx512f -mavx512bw -mavx512vl -ffp-contract=off.
 
@@ -19,6 +26,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "vec_math.h"
 
@@ -67,6 +75,109 @@ void silu_mul_rows(const T* g, int64_t g_stride, const T* u, int64_t u_stride, T
         const __m512 e = keepwarm::exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
         const __m512 silu = round_to(_mm512_div_ps(gv, _mm512_add_ps(one, e)), gr);
         store_ps(yr + i, _mm512_mul_ps(silu, load_ps(ur + i, n)), n);
+      }
+    }
+  });
+}
+
+
+// log(x) for 16 fp32 lanes, x > 0 finite (cephes logf): x = m 2^e with m in [sqrt(1/2), sqrt(2)),
+// log(m) by a degree-9 polynomial in m - 1 (Horner, fused multiply-adds), plus e ln 2 in two parts.
+inline __m512 log512(__m512 x) {
+  __m512 m = _mm512_getmant_ps(x, _MM_MANT_NORM_p5_1, _MM_MANT_SIGN_zero);  // [0.5, 1)
+  __m512 e = _mm512_add_ps(_mm512_getexp_ps(x), _mm512_set1_ps(1.0f));
+  const __mmask16 small = _mm512_cmp_ps_mask(m, _mm512_set1_ps(0.707106781186547524f), _CMP_LT_OQ);
+  e = _mm512_mask_sub_ps(e, small, e, _mm512_set1_ps(1.0f));
+  m = _mm512_mask_add_ps(m, small, m, m);
+  m = _mm512_sub_ps(m, _mm512_set1_ps(1.0f));
+  const __m512 z = _mm512_mul_ps(m, m);
+  __m512 p = _mm512_set1_ps(7.0376836292e-2f);
+  p = _mm512_fmadd_ps(p, m, _mm512_set1_ps(-1.1514610310e-1f));
+  p = _mm512_fmadd_ps(p, m, _mm512_set1_ps(1.1676998740e-1f));
+  p = _mm512_fmadd_ps(p, m, _mm512_set1_ps(-1.2420140846e-1f));
+  p = _mm512_fmadd_ps(p, m, _mm512_set1_ps(1.4249322787e-1f));
+  p = _mm512_fmadd_ps(p, m, _mm512_set1_ps(-1.6668057665e-1f));
+  p = _mm512_fmadd_ps(p, m, _mm512_set1_ps(2.0000714765e-1f));
+  p = _mm512_fmadd_ps(p, m, _mm512_set1_ps(-2.4999993993e-1f));
+  p = _mm512_fmadd_ps(p, m, _mm512_set1_ps(3.3333331174e-1f));
+  __m512 y = _mm512_mul_ps(_mm512_mul_ps(p, m), z);
+  y = _mm512_fmadd_ps(e, _mm512_set1_ps(-2.12194440e-4f), y);
+  y = _mm512_fnmadd_ps(z, _mm512_set1_ps(0.5f), y);
+  return _mm512_fmadd_ps(e, _mm512_set1_ps(0.693359375f), _mm512_add_ps(m, y));
+}
+
+enum Pointwise : int { kSigmoid = 0, kSilu = 1, kSoftplus = 2, kExp = 3 };
+
+inline __m512 pointwise16(__m512 x, int op) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  if (op == kSoftplus) {
+    // log1p(u), u = exp(-|x|) in (0, 1]: log(w) u / (w - 1) with w = 1 + u (exact where w = 1)
+    const __m512 ax = _mm512_abs_ps(x);
+    const __m512 u = keepwarm::exp512(_mm512_sub_ps(_mm512_setzero_ps(), ax));
+    const __m512 w = _mm512_add_ps(one, u);
+    const __m512 wm1 = _mm512_sub_ps(w, one);
+    const __mmask16 exact = _mm512_cmp_ps_mask(wm1, _mm512_setzero_ps(), _CMP_EQ_OQ);
+    const __m512 l = _mm512_mask_mov_ps(_mm512_div_ps(_mm512_mul_ps(log512(w), u), wm1), exact, u);
+    const __m512 sp = _mm512_add_ps(_mm512_max_ps(x, _mm512_setzero_ps()), l);
+    return _mm512_mask_mov_ps(sp, _mm512_cmp_ps_mask(x, _mm512_set1_ps(20.0f), _CMP_GT_OQ), x);
+  }
+  if (op == kExp) return keepwarm::exp512(x);
+  const __m512 den = _mm512_add_ps(one, keepwarm::exp512(_mm512_sub_ps(_mm512_setzero_ps(), x)));
+  return _mm512_div_ps(op == kSilu ? x : one, den);
+}
+
+template <typename T>
+void pointwise_rows(const T* x, int64_t x_stride, T* y, int64_t rows, int64_t D, int op) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / D), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t d = 0; d < D; d += 16) {
+        const int n = static_cast<int>(std::min<int64_t>(16, D - d));
+        store_ps(y + r * D + d, pointwise16(load_ps(x + r * x_stride + d, n), op), n);
+      }
+    }
+  });
+}
+
+template <typename T>
+void rms_norm_1p_rows(const T* x, int64_t x_stride, const float* s, T* y, int64_t rows, int64_t D, float eps) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / D), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * x_stride;
+      T* yr = y + r * D;
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m512 v = load_ps(xr + d, static_cast<int>(std::min<int64_t>(16, D - d)));
+        acc = _mm512_fmadd_ps(v, v, acc);
+      }
+      const float inv = 1.0f / std::sqrt(keepwarm::hsum16(acc) / static_cast<float>(D) + eps);
+      const __m512 iv = _mm512_set1_ps(inv);
+      for (int64_t d = 0; d < D; d += 16) {
+        const int n = static_cast<int>(std::min<int64_t>(16, D - d));
+        store_ps(yr + d, _mm512_mul_ps(_mm512_mul_ps(load_ps(xr + d, n), iv), load_ps(s + d, n)), n);
+      }
+    }
+  });
+}
+
+// rows: B * C channel rows of length L (row r is channel r % C), outputs L - K + 1 per row.
+template <typename T>
+void conv_silu_rows(const T* x, const T* w, T* y, int64_t rows, int64_t C, int64_t L, int64_t K) {
+  const int64_t n_out = L - K + 1;
+  at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / L), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * L;
+      const T* wr = w + (r % C) * K;
+      T* yr = y + r * n_out;
+      for (int64_t t = 0; t < n_out; t += 16) {
+        const int n = static_cast<int>(std::min<int64_t>(16, n_out - t));
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t j = 0; j < K; ++j) {
+          const __m512 wj = load_ps(wr + j, 1);  // lane 0 only, broadcast below
+          acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_setzero_si512(), wj),
+                                                 load_ps(xr + t + j, n)));
+        }
+        const __m512 c = round_to(acc, xr);
+        store_ps(yr + t, pointwise16(c, kSilu), n);
       }
     }
   });
@@ -144,10 +255,83 @@ c10::optional<at::Tensor> try_silu_mul(const at::Tensor& gate, const at::Tensor&
   return y;
 }
 
+// fp32 or bf16 pointer of a tensor as the kernels' element type
+template <typename T>
+const T* ptr(const at::Tensor& t);
+template <>
+const float* ptr<float>(const at::Tensor& t) { return t.data_ptr<float>(); }
+template <>
+const uint16_t* ptr<uint16_t>(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
+template <typename T>
+T* mut(at::Tensor& t) { return const_cast<T*>(ptr<T>(t)); }
+
+c10::optional<at::Tensor> try_rms_norm_1p(const at::Tensor& x, const at::Tensor& scale, double eps) {
+  if (!dtype_ok(x) || !scale.device().is_cpu() || scale.scalar_type() != at::kFloat) return c10::nullopt;
+  if (scale.dim() != 1 || !scale.is_contiguous() || x.dim() < 1 || x.size(-1) != scale.size(0)) return c10::nullopt;
+  int64_t rows = 0, stride = 0;
+  at::Tensor xc = x;
+  if (!as_rows(xc, rows, stride)) {
+    xc = x.contiguous();
+    if (!as_rows(xc, rows, stride)) return c10::nullopt;
+  }
+  if (rows < 1) return c10::nullopt;
+  at::Tensor y = at::empty(x.sizes(), x.options());
+  if (x.scalar_type() == at::kFloat) {
+    rms_norm_1p_rows<float>(ptr<float>(xc), stride, scale.data_ptr<float>(), mut<float>(y), rows, x.size(-1),
+                            static_cast<float>(eps));
+  } else {
+    rms_norm_1p_rows<uint16_t>(ptr<uint16_t>(xc), stride, scale.data_ptr<float>(), mut<uint16_t>(y), rows,
+                               x.size(-1), static_cast<float>(eps));
+  }
+  return y;
+}
+
+c10::optional<at::Tensor> try_pointwise(const at::Tensor& x, int64_t op) {
+  if (!dtype_ok(x) || op < 0 || op > 3 || x.numel() < 1) return c10::nullopt;
+  int64_t rows = 0, stride = 0;
+  at::Tensor xc = x;
+  if (!as_rows(xc, rows, stride)) {
+    xc = x.contiguous();
+    if (!as_rows(xc, rows, stride)) return c10::nullopt;
+  }
+  at::Tensor y = at::empty(x.sizes(), x.options());
+  if (x.scalar_type() == at::kFloat) {
+    pointwise_rows<float>(ptr<float>(xc), stride, mut<float>(y), rows, x.size(-1), static_cast<int>(op));
+  } else {
+    pointwise_rows<uint16_t>(ptr<uint16_t>(xc), stride, mut<uint16_t>(y), rows, x.size(-1), static_cast<int>(op));
+  }
+  return y;
+}
+
+c10::optional<at::Tensor> try_conv_silu(const at::Tensor& x, const at::Tensor& weight) {
+  if (!dtype_ok(x) || !dtype_ok(weight) || x.scalar_type() != weight.scalar_type() || x.dim() < 2) return c10::nullopt;
+  const int64_t C = x.size(-2), L = x.size(-1);
+  if (weight.dim() != 3 || weight.size(0) != C || weight.size(1) != 1) return c10::nullopt;
+  const int64_t K = weight.size(2);
+  if (K < 1 || L < K || x.numel() < 1) return c10::nullopt;
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = L - K + 1;
+  at::Tensor y = at::empty(out_shape, x.options());
+  const int64_t rows = x.numel() / L;
+  if (x.scalar_type() == at::kFloat) {
+    conv_silu_rows<float>(ptr<float>(xc), ptr<float>(wc), mut<float>(y), rows, C, L, K);
+  } else {
+    conv_silu_rows<uint16_t>(ptr<uint16_t>(xc), ptr<uint16_t>(wc), mut<uint16_t>(y), rows, C, L, K);
+  }
+  return y;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("try_rms_norm", &try_rms_norm, "row-invariant RMSNorm, or None", py::arg("x"), py::arg("weight"),
         py::arg("eps"));
   m.def("try_silu_mul", &try_silu_mul, "row-invariant silu(gate) * up, or None", py::arg("gate"), py::arg("up"));
+  m.def("try_rms_norm_1p", &try_rms_norm_1p, "row-invariant x * rsqrt(mean(x^2) + eps) * scale, or None",
+        py::arg("x"), py::arg("scale"), py::arg("eps"));
+  m.def("try_pointwise", &try_pointwise, "element-invariant sigmoid (0), silu (1), softplus (2), exp (3), or None",
+        py::arg("x"), py::arg("op"));
+  m.def("try_conv_silu", &try_conv_silu, "row-invariant silu(depthwise causal conv1d), or None", py::arg("x"),
+        py::arg("weight"));
 }

@@ -1,17 +1,24 @@
-"""Engine process configuration: one dataclass, filled from CLI flags or
-KEEPWARM_* environment variables, passed down explicitly."""
+"""Engine process configuration: one frozen dataclass, filled by keepwarm.settings from flags,
+KEEPWARM_<FLAG> variables and defaults (flag > variable > default), passed down explicitly.
+
+Every field is a setting: one with `setting(...)` carries its help and parser; a plain field
+(`name: int = 0`) becomes `--name` / `KEEPWARM_NAME` with the parser its type implies.
+`model` is derived from `models` (`--model`), so it is `internal()`."""
 
 from __future__ import annotations
 
 import argparse
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
+from keepwarm import settings as keepwarm_settings
 from keepwarm.engine.cache.policy import Policy, parse_policy
+from keepwarm.settings import SettingsError, add_arguments, internal, parse_bool, setting
 
 DTYPES = {
     "bfloat16": torch.bfloat16,
@@ -23,8 +30,7 @@ DTYPES = {
 }
 
 
-class ConfigError(ValueError):
-    """Bad engine configuration; the message names the flag and what to change."""
+ConfigError = SettingsError  # bad engine configuration; the message names the flag and what to change
 
 
 def default_cache_dir() -> Path:
@@ -42,50 +48,147 @@ def parse_size(text: str) -> int:
     try:
         value = float(s)
     except ValueError:
-        raise ConfigError(f"size {text!r} is not a number with an optional k/m/g/t suffix") from None
+        raise ConfigError(
+            f"size {text!r} is not a number with an optional k/m/g/t suffix (4g, 512m)"
+        ) from None
     if value < 0:
         raise ConfigError(f"size {text!r} must not be negative")
     return int(value * mult)
 
 
+def format_size(n: int | None) -> str:
+    """The shortest text parse_size reads back as n: 17179869184 -> '16g'."""
+    if n is None:
+        return "auto"
+    for power, unit in ((4, "t"), (3, "g"), (2, "m"), (1, "k")):
+        if n and n % 1024**power == 0:
+            return f"{n // 1024**power}{unit}"
+    return str(n)
+
+
+def _min_free_disk(text: str) -> int | None:
+    return None if text.strip().lower() == "auto" else parse_size(text)
+
+
+def _cache_dir(text: str) -> Path | None:
+    return None if text.strip().lower() in ("", "none", "off") else Path(text)
+
+
+def _use_triton(text: str) -> bool | None:
+    return None if text.strip().lower() in ("", "auto") else parse_bool(text)
+
+
+def _model_paths(text: str) -> tuple[Path, ...]:
+    """'a:b' (os.pathsep) -> each folder, a models folder expanded to its checkpoint folders."""
+    return tuple(p for raw in text.split(os.pathsep) if raw for p in models_in(Path(raw)))
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    model: Path
+    env_prefix: ClassVar[str] = "KEEPWARM_"  # plain fields read KEEPWARM_<FIELD> (keepwarm.settings)
+
+    model: Path = internal()  # the first of `models`, the default one
     # Every served model when there are several (`--model` repeated, or a models folder: each
     # subfolder with a config.json); `model` is then the first, the default. () = `model` alone.
-    models: tuple[Path, ...] = ()
+    models: tuple[Path, ...] = setting(
+        (),
+        flag="--model",
+        env=("KEEPWARM_MODEL",),
+        parse=_model_paths,
+        repeat=True,
+        metavar="DIR",
+        default_text="(required)",
+        help="Hugging Face checkpoint folder; `serve` takes it more than once, or a folder of checkpoint "
+        "folders (each subfolder with a `config.json`), to serve several: the request's `model` picks one "
+        f"(the first is the default; the variable separates several by {os.pathsep!r})",
+    )
     # Bytes of weights (at the runtime dtype) the loaded models may hold together; loading one
     # more parks the least recently used idle ones (serving/model_set.py). 0 = no limit.
-    models_budget: int = 0
-    device: str = "cpu"
+    models_budget: int = setting(
+        0,
+        parse=parse_size,
+        show=format_size,
+        help="bytes of weights (runtime dtype) the loaded models may hold together, 0 = no limit; a model "
+        "loads on its first request, and loading one past the budget parks the least recently used idle "
+        "model (weights and state memory freed, its disk cache kept); `/v1/models` shows each `residency`",
+    )
+    device: str = setting("cpu", help="`cpu` or `cuda[:N]` (a ROCm build of torch reports `cuda`)")
     # Layers per device (models/placement.py): `cuda:0:0-23,cuda:1:24-47`, or a bare device
     # list (`cpu,cpu`, `cuda:0,cuda:1`) for an even split; "" runs every layer on --device.
-    layer_split: str = ""
-    dtype: str = "bfloat16"
-    num_threads: int = 0  # 0 = torch default
-    max_context: int = 8192  # state capacity in tokens; longer prompts are rejected
-    chunk_size: int = 2048  # prefill chunk (tokens per forward)
-    cache_dir: Path | None = None  # None disables the disk tier
-    disk_budget: int = 16 * 1024**3
-    min_free_disk: int | None = None  # None ("auto"): 5% of the cache volume, at most 1 GiB
-    memory_budget: int = 2 * 1024**3
-    min_tokens: int = 64  # never cache a prefix shorter than this
-    disk_prefix_cache: str = "full"
-    writer_queue: int = 8
-    fsync: bool = True
-    queue_size: int = 16  # requests waiting to be admitted (beyond: HTTP 429)
-    max_seqs: int = 16  # sequences running at once (decoding or prefilling)
-    max_batch_tokens: int = 2048  # tokens per step: one per decoding sequence + prefill chunks
-    kv_budget: int = 0  # bytes for every sequence's state; 0 = 80% of free GPU memory, 16 GiB on CPU
-    max_tokens_limit: int = 4096
-    host: str = "127.0.0.1"
-    port: int = 8100
-    model_name: str = ""  # the id /v1/models reports; defaults to the folder name
-    use_triton: bool | None = None
-    keepalive_s: float = 5.0  # SSE keep-alive comment interval while a stream waits (queue, prefill)
+    layer_split: str = setting(
+        "",
+        default_text="(none)",
+        help="layers per device, e.g. `cuda:0:0-23,cuda:1:24-47`, or a device list (`cuda:0,cpu`, `cpu,cpu`) "
+        "for an even split; snapshots do not depend on it (any split adopts any other's files)",
+    )
+    dtype: str = setting("bfloat16", help="`bfloat16` or `float32` (also `float16`)")
+    num_threads: int = setting(0, help="CPU threads; 0 = torch's default")
+    max_context: int = setting(8192, help="state capacity in tokens; longer prompts get 413")
+    chunk_size: int = setting(2048, help="prefill chunk, tokens per forward")
+    cache_dir: Path | None = setting(  # None disables the disk tier
+        None,
+        parse=_cache_dir,
+        default_text="~/.cache/keepwarm/prefix-cache",
+        help="disk tier folder (`none` turns the disk tier off)",
+    )
+    disk_budget: int = setting(
+        16 * 1024**3,
+        parse=parse_size,
+        show=format_size,
+        help="one byte budget for the whole folder, all models",
+    )
+    min_free_disk: int | None = setting(  # None ("auto"): 5% of the cache volume, at most 1 GiB
+        None,
+        parse=_min_free_disk,
+        show=format_size,
+        help="free-disk floor (`auto`: 5 % of the volume, at most 1 GiB)",
+    )
+    memory_budget: int = setting(
+        2 * 1024**3, parse=parse_size, show=format_size, help="RAM tier byte budget (0 turns it off)"
+    )
+    min_tokens: int = setting(64, help="never cache a prefix shorter than this")
+    disk_prefix_cache: str = setting("full", help="default policy: `off`, `full`, `auto[:W]`, `N`")
+    writer_queue: int = setting(8, help="background writer queue; a full queue drops the save and counts it")
+    fsync: bool = setting(True, help="fsync files and folders before they count")
+    queue_size: int = setting(16, help="requests waiting to be admitted (429 with `Retry-After` beyond)")
+    max_seqs: int = setting(
+        16, help="sequences running at once, decoding or prefilling (continuous batching)"
+    )
+    max_batch_tokens: int = setting(
+        2048, help="tokens per engine step: one per decoding sequence, then prefill chunks"
+    )
+    kv_budget: int = setting(
+        0,
+        parse=parse_size,
+        show=format_size,
+        help="bytes for every running sequence's state; 0 = 80 % of free GPU memory, 16 GiB on CPU",
+    )
+    max_tokens_limit: int = setting(4096, help="largest `max_tokens` accepted")
+    host: str = setting("127.0.0.1", help="listen address")
+    port: int = setting(8100, help="listen port")
+    model_name: str = setting(
+        "", default_text="(the folder name)", help="the id `/v1/models` reports for a single model"
+    )
+    use_triton: bool | None = setting(
+        None,
+        parse=_use_triton,
+        default_text="auto",
+        help="Triton kernels: `true`, `false` or `auto` (on a GPU when Triton imports)",
+    )
+    keepalive_s: float = setting(
+        5.0, help="SSE keep-alive comment interval, seconds, while a stream waits (queue, long prefill)"
+    )
     # Shared with the gateway (set it by environment, KEEPWARM_ENGINE_TOKEN): when set, every
     # endpoint but /health wants `Authorization: Bearer <token>`; "" serves anyone (local use).
-    engine_token: str = field(default="", repr=False)
+    engine_token: str = setting(
+        "",
+        flag=None,
+        secret=True,
+        file_env=(),  # entrypoint.sh reads KEEPWARM_ENGINE_TOKEN_FILE (making the token there once)
+        default_text="(unset: serves anyone)",
+        help="the token the gateway sends as `Authorization: Bearer`; at least 16 characters (the "
+        "image's entrypoint.sh fills it from `KEEPWARM_ENGINE_TOKEN_FILE`, making one there first)",
+    )
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -151,53 +254,8 @@ class EngineConfig:
         return self
 
 
-_ENV_PREFIX = "KEEPWARM_"
-_SIZES = {"disk_budget", "min_free_disk", "memory_budget", "kv_budget", "models_budget"}
-
-
-def _convert(name: str, raw: str) -> object:
-    field_type = {f.name: f.type for f in fields(EngineConfig)}[name]
-    if name == "min_free_disk" and raw.strip().lower() in ("", "auto"):
-        return None
-    if name in _SIZES:
-        return parse_size(raw)
-    if name in ("model",):
-        return Path(raw)
-    if name == "cache_dir":
-        return None if raw.lower() in ("", "none", "off") else Path(raw)
-    if name == "fsync":
-        return raw.lower() in ("1", "true", "yes", "on")
-    if name == "use_triton":
-        return None if raw.lower() in ("", "auto") else raw.lower() in ("1", "true", "yes", "on")
-    if name == "keepalive_s":
-        try:
-            return float(raw)
-        except ValueError:
-            raise ConfigError(f"keepalive_s must be a number of seconds, got {raw!r}") from None
-    if "int" in str(field_type):
-        try:
-            return int(raw)
-        except ValueError:
-            raise ConfigError(f"{name} must be an integer, got {raw!r}") from None
-    return raw
-
-
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        action="append",
-        help="Hugging Face checkpoint folder; repeat it, or name a folder of checkpoint folders, to "
-        f"serve several (env KEEPWARM_MODEL, several separated by {os.pathsep!r})",
-    )
-    for f in fields(EngineConfig):
-        if f.name in ("model", "models"):
-            continue
-        p.add_argument(
-            "--" + f.name.replace("_", "-"),
-            dest=f.name,
-            default=None,
-            help=f"(env {_ENV_PREFIX}{f.name.upper()}; default {f.default})",
-        )
+    add_arguments(p, EngineConfig)
 
 
 def config_from(
@@ -207,30 +265,15 @@ def config_from(
 ) -> EngineConfig:
     """Flags override env, env overrides defaults. Without a cache dir flag or env the
     disk tier lives under the user's cache dir (`cache_dir_default`)."""
-    env = os.environ if env is None else env
-    values: dict[str, object] = {}
-    given = getattr(args, "model", None) if args is not None else None
-    if isinstance(given, list):
-        given = os.pathsep.join(given)
-    given = given if given is not None else env.get(_ENV_PREFIX + "MODEL")
-    if given:
-        paths = [p for raw in given.split(os.pathsep) if raw for p in models_in(Path(raw))]
-        values["model"] = paths[0]
-        if len(paths) > 1:
-            values["models"] = tuple(paths)
-    for f in fields(EngineConfig):
-        if f.name in ("model", "models"):
-            continue
-        raw = getattr(args, f.name, None) if args is not None else None
-        if raw is None:
-            raw = env.get(_ENV_PREFIX + f.name.upper())
-        if raw is not None:
-            values[f.name] = _convert(f.name, str(raw))
-    if "model" not in values:
+    values = keepwarm_settings.read(EngineConfig, args, env)
+    paths = values.pop("models", ())
+    if not paths:
         raise ConfigError("no model given: pass --model DIR or set KEEPWARM_MODEL")
+    values["model"] = paths[0]
+    values["models"] = paths if len(paths) > 1 else ()
     if "cache_dir" not in values and cache_dir_default:
         values["cache_dir"] = default_cache_dir()
-    return EngineConfig(**values).validate()  # type: ignore[arg-type]
+    return EngineConfig(**values).validate()
 
 
 def models_in(path: Path) -> list[Path]:

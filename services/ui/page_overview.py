@@ -1,4 +1,5 @@
-"""Overview: is the prefix cache paying off? Hit rates, prefill time saved, TTFT cold vs warm."""
+"""Overview: is the prefix cache paying off? Hit rates, prefill time saved, TTFT cold vs warm; and how
+busy the engines are: sequences running and waiting, per engine and in total (the gateway's /health)."""
 
 from __future__ import annotations
 
@@ -22,9 +23,20 @@ def render(client: GatewayClient, refresh_s: float) -> None:
 def _body(client: GatewayClient) -> None:
     try:
         stats = client.stats()
-    except (GatewayDown, GatewayError) as e:
+    except GatewayDown as e:
         show_failure(e)
         return
+    except GatewayError as e:  # e.g. Redis down (503) or a bad key: the engines' load still shows
+        show_failure(e)
+        stats = None
+    if stats is not None:
+        _cache_figures(stats)
+    _concurrency(client)
+    if stats is not None:
+        _ttft_charts(stats, views.ttft_summary(stats.get("ttft_ms") or {}))
+
+
+def _cache_figures(stats: dict) -> None:
     ov = views.overview(stats, now=time.time())
     if ov.requests == 0:
         st.info(
@@ -79,7 +91,37 @@ def _body(client: GatewayClient) -> None:
     )
     c[3].metric("Engines healthy", f"{ov.engines_healthy}/{ov.engines_total}")
 
-    _ttft_charts(stats, summary)
+
+def _concurrency(client: GatewayClient) -> None:
+    st.subheader("Concurrency")
+    try:
+        health = client.health()
+    except (GatewayDown, GatewayError) as e:
+        show_failure(e)
+        return
+    cc = views.concurrency(health)
+    c = st.columns(4)
+    c[0].metric("Sequences running", f"{cc.running}", help="generating now, over every healthy engine")
+    c[1].metric(
+        "Sequences waiting", f"{cc.waiting}", help="queued for admission (an engine's --max-seqs or memory)"
+    )
+    c[2].metric("Engines serving", f"{cc.healthy}/{len(cc.engines)}")
+    if not cc.engines:
+        st.caption("The gateway reports no engine.")
+        return
+    st.table(
+        pd.DataFrame(
+            [
+                {
+                    "engine": e.url,
+                    "state": "healthy" if e.healthy else "down",
+                    "running": _n(e.running),
+                    "waiting": _n(e.waiting),
+                }
+                for e in cc.engines
+            ]
+        ).set_index("engine")
+    )
 
 
 def _ttft_charts(stats: dict, summary: list[views.TtftSummary]) -> None:
@@ -135,6 +177,10 @@ def _ttft_charts(stats: dict, summary: list[views.TtftSummary]) -> None:
                 ]
             ).set_index("cache")
         )
+
+
+def _n(v: int | None) -> str:
+    return "–" if v is None else str(v)
 
 
 def _ms(v: float | None) -> str:

@@ -1,6 +1,6 @@
 """Numbers the dashboard shows, computed from the gateway's JSON: pure functions, no Streamlit.
 
-Input shapes are the gateway's contract (/v1/stats, /v1/sessions, /v1/sessions/{id},
+Input shapes are the gateway's contract (/health, /v1/stats, /v1/sessions, /v1/sessions/{id},
 /v1/cache). Missing fields read as zero/empty so a fresh stack with no traffic
 renders as "no data yet" rather than failing.
 """
@@ -102,6 +102,53 @@ def overview(stats: Mapping[str, Any], now: float) -> Overview:
         engines_total=len(engines),
         engines_healthy=sum(1 for e in engines if e.get("healthy")),
     )
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """One engine's row of the gateway's /health: sequences running and waiting there."""
+
+    url: str
+    healthy: bool
+    running: int | None  # None while the engine is down (nothing known)
+    waiting: int | None
+
+
+@dataclass(frozen=True)
+class Concurrency:
+    engines: list[EngineLoad]
+    running: int  # over the healthy engines
+    waiting: int
+    healthy: int
+
+
+def concurrency(health: Mapping[str, Any]) -> Concurrency:
+    """Per-engine and total sequences from the gateway's /health `engines` list (each engine's
+    running and waiting sequences as the gateway last polled them)."""
+    rows = []
+    for e in health.get("engines") or []:
+        if not isinstance(e, Mapping):
+            continue
+        healthy = bool(e.get("healthy"))
+        rows.append(
+            EngineLoad(
+                url=str(e.get("url") or "?"),
+                healthy=healthy,
+                running=_count(e.get("running")) if healthy else None,
+                waiting=_count(e.get("waiting")) if healthy else None,
+            )
+        )
+    return Concurrency(
+        engines=rows,
+        running=sum(r.running or 0 for r in rows),
+        waiting=sum(r.waiting or 0 for r in rows),
+        healthy=sum(1 for r in rows if r.healthy),
+    )
+
+
+def _count(v: Any) -> int | None:
+    """A sequence count as the gateway sent it; None when absent (an older gateway) or not a count."""
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
 
 
 def _rate(given: Any, num: int, den: int) -> float | None:

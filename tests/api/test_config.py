@@ -22,11 +22,16 @@ def test_keys_from_env_string() -> None:
 
 
 def test_keys_from_file(tmp_path: Path) -> None:
-    assert parse_api_keys_file("# comment\nk1 alpha\n\n k2  beta  # trailing\n") == {"k1": "alpha", "k2": "beta"}
+    assert parse_api_keys_file("# comment\nk1 alpha\n\n k2  beta  # trailing\n") == {
+        "k1": "alpha",
+        "k2": "beta",
+    }
     f = tmp_path / "keys"
     f.write_text("k1 alpha extra\n")
     env = {"KEEPWARM_API_KEYS_FILE": str(f), "KEEPWARM_SECRET": SECRET}
-    with pytest.raises(ConfigError, match=r"KEEPWARM_API_KEYS_FILE '.*/keys': line 1: expected 'key tenant', got 3"):
+    with pytest.raises(
+        ConfigError, match=r"KEEPWARM_API_KEYS_FILE '.*/keys': line 1: expected 'key tenant', got 3"
+    ):
         parse_config(["--engine", "http://a"], env)
     with pytest.raises(ConfigError, match="cannot read --api-keys-file '.*/missing': No such file"):
         parse_config(["--engine", "http://a", "--api-keys-file", str(tmp_path / "missing")], env)

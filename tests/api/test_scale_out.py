@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import json
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,9 +34,12 @@ from tests.api.procs import (
 SESSIONS = 12
 ROUNDS = 4  # turns per session (plus retries of failed ones)
 KILL_ROUND = 2  # the victim is killed while this round's turns run
-# Small enough that eviction runs during the test, large enough for every session's last two turns
-# (a tiny-model float32 snapshot is ~0.5 KiB per token plus 2 KiB of logits).
-DISK_BUDGET = 1_500_000
+# Long replies in the kill round: every turn on the victim is still running when the kill comes.
+KILL_ROUND_TOKENS = 160
+# The run saves ~14 MB of snapshots (tiny model, float32: ~0.5 KiB per token plus 2 KiB of logits,
+# several per turn), ~3.6 MB of them by the time the kill round's prompts are in; the dead engine's
+# sessions restore right after the kill, and eviction runs from the end of the kill round on.
+DISK_BUDGET = 6_000_000
 ALPHA = {"Authorization": "Bearer key-alpha"}
 TOPICS = ["tides", "glaciers", "comets", "bees", "copper", "lighthouses", "owls", "deserts", "violins",
           "volcanoes", "ferns", "saturn"]  # fmt: skip
@@ -61,6 +65,7 @@ class Session:
     stream: bool
     messages: list[dict[str, str]] = field(default_factory=list)
     attempts: list[Attempt] = field(default_factory=list)
+    streaming: threading.Event = field(default_factory=threading.Event)  # a reply token arrived
 
     @property
     def sid(self) -> str:
@@ -95,6 +100,7 @@ def _post(gateway: Proc, s: Session, max_tokens: int) -> tuple[int, str, dict[st
                 usage = chunk["usage"]
             for choice in chunk.get("choices") or []:
                 text.append(choice["delta"].get("content") or "")
+                s.streaming.set()
     return (200, "".join(text), usage) if usage is not None else (502, "", None)
 
 
@@ -142,7 +148,8 @@ def test_three_engines_two_gateways_one_engine_killed(
 ) -> None:
     t_start = time.monotonic()
     cache = tmp_path / "cache"
-    flags = ["--disk-budget", str(DISK_BUDGET), "--min-free-disk", "0", "--writer-queue", "64"]
+    flags = ["--disk-budget", str(DISK_BUDGET), "--min-free-disk", "0", "--writer-queue", "64",
+             "--max-context", "1024"]  # fmt: skip
     engines = [start_engine(demo_model, cache, logs, extra=flags, token=ENGINE_TOKEN, wait=False)
                for _ in range(3)]  # fmt: skip
     procs: list[Proc] = list(engines)
@@ -160,24 +167,16 @@ def test_three_engines_two_gateways_one_engine_killed(
             s.messages.append({"role": "system", "content": f"Topic: {TOPICS[s.index]}. Answer briefly."})
         victim: Proc | None = None
         killed_at = 0.0
-        in_flight_at_kill = 0
 
-        def kill_when_busy(target: Proc, sessions_on_it: int) -> None:
-            """SIGKILL once all of its sessions' turns are running there (or some, for 2 s)."""
-            nonlocal killed_at, in_flight_at_kill
-            deadline, busy_since = time.monotonic() + 30, None
-            while time.monotonic() < deadline:
-                h = httpx.get(target.url + "/health", headers=ENGINE_AUTH, timeout=5).json()
-                n = h["running"] + h["waiting"]
-                busy_since = busy_since or (time.monotonic() if n else None)
-                if n >= sessions_on_it or (busy_since and time.monotonic() - busy_since > 2.0):
-                    in_flight_at_kill = n
-                    print("KILL", n, sessions_on_it, h)
-                    target.kill()
-                    killed_at = time.monotonic()
-                    return
-                time.sleep(0.005)
-            raise AssertionError("the victim never had a sequence running")
+        def kill_when_streaming(target: Proc, streams: list[Session]) -> None:
+            """SIGKILL as soon as a stream of its sessions has a reply token out (it is running there)."""
+            nonlocal killed_at
+            deadline = time.monotonic() + 60
+            while not any(s.streaming.is_set() for s in streams):
+                assert time.monotonic() < deadline, "no stream of the victim's sessions ever started"
+                time.sleep(0.001)
+            killed_at = time.monotonic()  # the signal goes now; kill() then reaps the process
+            target.kill()
 
         with concurrent.futures.ThreadPoolExecutor(SESSIONS + 1) as pool:
             for rnd in range(ROUNDS):
@@ -188,12 +187,17 @@ def test_three_engines_two_gateways_one_engine_killed(
                         by_engine[s.attempts[-1].engine].append(s)
                     # Least-load routing spread the sessions: every engine has some.
                     assert sorted(by_engine) == sorted(e.url for e in engines), dict(by_engine)
-                    victim = max(engines, key=lambda e: (len(by_engine[e.url]), e.url))
+                    # The engine with the most sessions, among those serving some stream.
+                    victim = max((e for e in engines if any(s.stream for s in by_engine[e.url])),
+                                 key=lambda e: (len(by_engine[e.url]), e.url))  # fmt: skip
                     # Their last turns' entries are on the shared disk before the crash.
                     for s in by_engine[victim.url]:
                         wait_snapshot_file(cache, redis_sync.hget(f"keepwarm:session:alpha:{s.sid}", "key"))
-                    killer = pool.submit(kill_when_busy, victim, len(by_engine[victim.url]))
-                max_tokens = 48 if rnd == KILL_ROUND else 8
+                    streams = [s for s in by_engine[victim.url] if s.stream]
+                    for s in streams:
+                        s.streaming.clear()
+                    killer = pool.submit(kill_when_streaming, victim, streams)
+                max_tokens = KILL_ROUND_TOKENS if rnd == KILL_ROUND else 8
                 turns = [pool.submit(_turn, s, rnd, gateways, redis_sync, max_tokens) for s in sessions]
                 for f in turns:
                     f.result()
@@ -210,14 +214,15 @@ def test_three_engines_two_gateways_one_engine_killed(
         # the victim when it died (non-streamed requests fail over before any byte reaches the
         # client): its sessions' kill-round turns, in flight across the kill.
         assert all(sum(a.status == 200 for a in s.attempts) == ROUNDS for s in sessions)
-        assert in_flight_at_kill >= 1 and len(failures) <= len(moved)
+        in_flight = [a for s in moved for a in s.attempts if a.started < killed_at < a.ended]
+        assert 1 <= len(failures) <= len(in_flight) <= len(moved)
         for a in failures:
             assert a.status == 502 and a.round == KILL_ROUND and sessions[a.session] in moved
             assert sessions[a.session].stream and a.started < killed_at < a.ended
         for s in sessions:
             ok = [a for a in s.attempts if a.status == 200]
             assert len({a.engine for a in ok[:KILL_ROUND]}) == 1  # affinity across both gateways
-            assert all(a.cached_tokens > 0 for a in ok[1:]), [(a.round, a.cache_source) for a in ok]
+            assert all(a.cached_tokens > 0 for a in ok[1:]), [(a.round, a.cache_source, a.engine) for a in ok]
         for s in stayed:
             ok = [a for a in s.attempts if a.status == 200]
             assert {a.engine for a in ok} == {ok[0].engine}  # never moved
@@ -257,7 +262,7 @@ def test_three_engines_two_gateways_one_engine_killed(
         print(
             f"\nscale-out: up {t_up - t_start:.1f} s, {ROUNDS} rounds x {SESSIONS} sessions "
             f"{t_run - t_up:.1f} s, checks {t_end - t_run:.1f} s; {len(attempts)} requests, "
-            f"{len(failures)} failed (in flight on the victim at the kill: {in_flight_at_kill}); "
+            f"{len(failures)} failed, of {len(in_flight)} in flight on the victim at the kill; "
             f"{len(moved)} sessions moved, restored from disk; {evictions} evictions; "
             f"{files} files, {nbytes} bytes of {DISK_BUDGET}"
         )

@@ -9,13 +9,12 @@ per-node cache alternative); between them they use every YAML file under deploy/
 
 from __future__ import annotations
 
-import ast
 import re
 import shutil
 import subprocess
 import sysconfig
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -24,9 +23,11 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from keepwarm.api.config import parse_config
+from keepwarm.api.config import GatewayConfig, parse_config
 from keepwarm.engine.config import EngineConfig, config_from, parse_size
+from keepwarm.settings import env_names
 from keepwarm.ui.__main__ import parse as parse_ui
+from keepwarm.ui.settings import UiSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBE = ROOT / "deploy/kubernetes"
@@ -535,24 +536,12 @@ def test_images_are_tagged_and_pulled_if_not_present(manifests: Manifests) -> No
 # --- the services read what the manifests set ------------------------------------------------
 
 
-def env_literals(*paths: Path) -> set[str]:
-    """Every KEEPWARM_* / REDIS_URL string literal in those modules: the names their lookups use."""
-    names: set[str] = set()
-    for path in paths:
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str):
-                if re.fullmatch(r"KEEPWARM_[A-Z0-9_]+|REDIS_URL", node.value):
-                    names.add(node.value)
-    return names
-
-
 def read_env() -> dict[str, set[str]]:
-    engine = {"KEEPWARM_" + f.name.upper() for f in fields(EngineConfig)}
     return {
-        "engine": engine,
+        "engine": set(env_names(EngineConfig)),
         "demo-model": set(),
-        "gateway": env_literals(ROOT / "services/api/config.py"),
-        "dashboard": env_literals(ROOT / "services/ui/settings.py", ROOT / "services/ui/__main__.py"),
+        "gateway": set(env_names(GatewayConfig)),
+        "dashboard": set(env_names(UiSettings)),
         "valkey": set(),
     }
 

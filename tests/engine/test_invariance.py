@@ -4,7 +4,7 @@ composition, in prefill chunks of 1, 7, 64 or the default size, and after a snap
 random position restored from RAM or (in a fresh process) from disk; 32 greedy tokens follow
 identically. A control with invariance off detects a difference, so these tests can fail.
 
-Dense family (tiny qwen3 demo model), float32 and bfloat16."""
+Every family through its tiny demo model (dense qwen3, hybrid qwen3_5), float32 and bfloat16."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from keepwarm.engine.generation.sampling import SamplingParams
 from keepwarm.engine.loading.checkpoint import open_checkpoint
 from keepwarm.engine.models import build_backend
 from keepwarm.engine.models.backend import Backend, State
-from keepwarm.kernels import cpu_attention, cpu_linear, cpu_rowwise
+from keepwarm.kernels import cpu_attention, cpu_delta_rule, cpu_linear, cpu_rowwise
 from keepwarm.kernels.ops import ops_for
 
 CPU = torch.device("cpu")
@@ -35,7 +35,7 @@ GREEDY = 32
 DEFAULT_CHUNK = EngineConfig(model=Path(".")).chunk_size
 
 pytestmark = pytest.mark.skipif(
-    not (cpu_linear.available() and cpu_attention.available() and cpu_rowwise.available()),
+    not all(m.available() for m in (cpu_linear, cpu_attention, cpu_rowwise, cpu_delta_rule)),
     reason="the invariant CPU kernels need AVX-512 BF16 (this CPU lacks it or the build failed)",
 )
 
@@ -76,13 +76,21 @@ def _greedy(backend: Backend, state: State, n: int = GREEDY) -> tuple[list[int],
     return toks, torch.stack(logits[:-1])
 
 
+FAMILIES = {"dense": "tiny_dense_model", "hybrid": "tiny_hybrid_model"}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def model(request: pytest.FixtureRequest) -> Path:
+    return Path(request.getfixturevalue(FAMILIES[request.param]))
+
+
 @pytest.fixture(scope="module", params=list(DTYPES))
 def dtype(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-def test_every_row_is_the_same_bits_in_any_chunking(tiny_dense_model: Path, dtype: str) -> None:
-    backend = _backend(tiny_dense_model, dtype)
+def test_every_row_is_the_same_bits_in_any_chunking(model: Path, dtype: str) -> None:
+    backend = _backend(model, dtype)
     for tokens in _prompts(backend.vocab_size, (150, 41), seed=1):
         ref, _ = _one_shot(backend, tokens)
         for chunk in (1, 7, 64, DEFAULT_CHUNK):
@@ -90,11 +98,11 @@ def test_every_row_is_the_same_bits_in_any_chunking(tiny_dense_model: Path, dtyp
             assert torch.equal(got, ref), (dtype, chunk)
 
 
-def test_batches_of_random_composition_and_greedy_decode(tiny_dense_model: Path, dtype: str) -> None:
+def test_batches_of_random_composition_and_greedy_decode(model: Path, dtype: str) -> None:
     """Several sequences advance together with random chunk lengths (prefill chunks mixed
     with decodes); each row equals the one-shot row, and 32 greedy tokens decoded in random
     batches equal the ones decoded alone."""
-    backend = _backend(tiny_dense_model, dtype)
+    backend = _backend(model, dtype)
     rng = random.Random(7)
     prompts = _prompts(backend.vocab_size, (120, 57, 9, 88), seed=2)
     refs, solo_tokens, solo_logits = [], [], []
@@ -127,8 +135,8 @@ def test_batches_of_random_composition_and_greedy_decode(tiny_dense_model: Path,
             assert torch.equal(row, expect[i][states[i].position - 1]), (dtype, i, states[i].position)
 
 
-def test_snapshot_at_random_positions_restored_from_ram(tiny_dense_model: Path, dtype: str) -> None:
-    backend = _backend(tiny_dense_model, dtype)
+def test_snapshot_at_random_positions_restored_from_ram(model: Path, dtype: str) -> None:
+    backend = _backend(model, dtype)
     rng = random.Random(11)
     (tokens,) = _prompts(backend.vocab_size, (130,), seed=3)
     ref, state = _one_shot(backend, tokens)
@@ -145,10 +153,10 @@ def test_snapshot_at_random_positions_restored_from_ram(tiny_dense_model: Path, 
         assert toks == ref_toks and torch.equal(logits, ref_logits), (dtype, split)
 
 
-def test_control_with_invariance_off_detects_a_difference(tiny_dense_model: Path, dtype: str) -> None:
+def test_control_with_invariance_off_detects_a_difference(model: Path, dtype: str) -> None:
     """torch's kernels (the pre-invariance path) give a row different bits with the chunk
     size: the comparison these tests make can fail."""
-    backend = _backend(tiny_dense_model, dtype, invariant=False)
+    backend = _backend(model, dtype, invariant=False)
     (tokens,) = _prompts(backend.vocab_size, (150,), seed=1)
     ref, _ = _one_shot(backend, tokens)
     assert not torch.equal(_chunked(backend, tokens, 1), ref)
@@ -213,9 +221,9 @@ def _engine_prompts(engine: Engine) -> list[list[int]]:
     return [p.tolist() for p in _prompts(engine.backend.vocab_size, (90, 23, 140, 61), seed=5)]
 
 
-def test_engine_alone_batched_and_chunk_sizes_agree(tiny_dense_model: Path, dtype: str) -> None:
+def test_engine_alone_batched_and_chunk_sizes_agree(model: Path, dtype: str) -> None:
     off = Policy("off")
-    alone_engine = Engine(_cfg(tiny_dense_model, dtype))
+    alone_engine = Engine(_cfg(model, dtype))
     try:
         prompts = _engine_prompts(alone_engine)
         alone = [_run_together(alone_engine, [_req(p, off)])[0] for p in prompts]
@@ -223,7 +231,7 @@ def test_engine_alone_batched_and_chunk_sizes_agree(tiny_dense_model: Path, dtyp
         alone_engine.close()
     assert all(len(r) == GREEDY for r in alone)
     for chunk in (1, 7, 64, DEFAULT_CHUNK):
-        engine = Engine(_cfg(tiny_dense_model, dtype, chunk_size=chunk, max_batch_tokens=max(chunk, 16)))
+        engine = Engine(_cfg(model, dtype, chunk_size=chunk, max_batch_tokens=max(chunk, 16)))
         try:
             together = _run_together(engine, [_req(p, off) for p in prompts])
         finally:
@@ -243,13 +251,13 @@ def _restart_code(model: Path, dtype: str, cache: Path, prompt: list[int], split
 
 
 def test_engine_snapshot_splits_restored_from_ram_and_from_disk_in_a_fresh_process(
-    tiny_dense_model: Path, tmp_path: Path, dtype: str
+    model: Path, tmp_path: Path, dtype: str
 ) -> None:
     """A prompt is snapshotted at a random position (fixed:N), then asked again: the restore
     leaves a tail of prompt tokens to prefill. From RAM in this process, and from disk in a
     fresh process, the 32 greedy tokens and their logprobs equal the uncached answer."""
     rng = random.Random(13)
-    cold_engine = Engine(_cfg(tiny_dense_model, dtype))
+    cold_engine = Engine(_cfg(model, dtype))
     try:
         prompt = _engine_prompts(cold_engine)[2]
         cold = _run_together(cold_engine, [_req(prompt, Policy("off"))])[0]
@@ -259,7 +267,7 @@ def test_engine_snapshot_splits_restored_from_ram_and_from_disk_in_a_fresh_proce
     for split in sorted(rng.sample(range(8, len(prompt) - 1), 2)):
         cache = tmp_path / f"cache-{split}"
         policy = Policy("fixed", num_tokens=split)
-        engine = Engine(_cfg(tiny_dense_model, dtype, cache))
+        engine = Engine(_cfg(model, dtype, cache))
         try:
             first = _run_together(engine, [_req(prompt, policy)])[0]
             events: list[object] = []
@@ -278,7 +286,7 @@ def test_engine_snapshot_splits_restored_from_ram_and_from_disk_in_a_fresh_proce
         ]
         assert first == cold and again == cold, (dtype, split)
         res = subprocess.run(
-            [sys.executable, "-c", _restart_code(tiny_dense_model, dtype, cache, prompt, split)],
+            [sys.executable, "-c", _restart_code(model, dtype, cache, prompt, split)],
             cwd=root,
             capture_output=True,
             text=True,

@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from keepwarm.kernels import cpu_attention, cpu_linear, cpu_rowwise
+from keepwarm.kernels import cpu_attention, cpu_delta_rule, cpu_linear, cpu_rowwise
 from keepwarm.kernels.invariance import SelfCheck, probe_linear
 from keepwarm.kernels.ops import TORCH_OPS, cpu_ops
 
 needs_kernels = pytest.mark.skipif(
-    not (cpu_linear.available() and cpu_attention.available() and cpu_rowwise.available()),
+    not all(m.available() for m in (cpu_linear, cpu_attention, cpu_rowwise, cpu_delta_rule)),
     reason="the invariant CPU kernels need AVX-512 BF16",
 )
 
@@ -32,6 +32,13 @@ def test_the_invariant_kernels_pass_every_probe(caplog: pytest.LogCaptureFixture
         silu_mul=cpu_rowwise.silu_mul,
         prefill_attention=cpu_attention.prefill_attention,
         decode_attention=cpu_attention.decode_attention,
+        rms_norm_1p=cpu_rowwise.rms_norm_1p,
+        sigmoid=cpu_rowwise.sigmoid,
+        silu=cpu_rowwise.silu,
+        softplus=cpu_rowwise.softplus,
+        conv_silu=cpu_rowwise.conv_silu,
+        delta_rule_prefill=cpu_delta_rule.gated_delta_rule,
+        delta_rule_decode=cpu_delta_rule.gated_delta_rule,
     )
     check = SelfCheck(fast, TORCH_OPS)
     ops = check.ops()
@@ -46,8 +53,15 @@ def test_the_invariant_kernels_pass_every_probe(caplog: pytest.LogCaptureFixture
             q, k = torch.randn(5, 4, 16).to(dtype), torch.randn(5, 2, 16).to(dtype)
             ops.prefill_attention(q, k, k, 0.25)
             ops.decode_attention(q[0], k, k, 0.25)
+            ops.rms_norm_1p(x, torch.ones(64), 1e-6)
+            for f in (ops.sigmoid, ops.silu, ops.softplus):
+                f(x)
+            ops.conv_silu(torch.randn(64, 9).to(dtype), torch.randn(64, 1, 4).to(dtype))
+            beta, state = torch.rand(5, 4).to(dtype), torch.zeros(4, 16, 16)
+            ops.delta_rule_prefill(q[:, :2], k, q, -torch.rand(5, 4), beta, state)
+            ops.delta_rule_decode(q[:1, :2], k[:1], q[:1], -torch.rand(1, 4), beta[:1], state)
     assert check.refused is None and not caplog.records
-    assert len(check.checked) == 8  # 4 buckets per dtype, each probed once
+    assert len(check.checked) == 2 * 10  # 10 buckets per dtype, each probed once
 
 
 def test_a_batch_dependent_kernel_is_refused_with_one_error_line(caplog: pytest.LogCaptureFixture) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from streamlit.testing.v1 import AppTest
-from ui_payloads import CACHE, CHAT_REPLY, EMPTY_STATS, SESSIONS, STATS, TIMELINE
+from ui_payloads import CACHE, CHAT_REPLY, EMPTY_STATS, HEALTH, SESSIONS, STATS, TIMELINE
 
 
 def _page(name: str, gateway: str, refresh_s: float = 0.0) -> None:
@@ -48,14 +48,27 @@ def test_bad_key_is_a_message(canned_gateway) -> None:
         401,
         {"error": {"message": "unknown API key", "code": 401}},
     )
+    canned_gateway.routes[("GET", "/health")] = (200, HEALTH)
     at = _run("overview", canned_gateway.url)
     (err,) = at.error
     assert "refused the dashboard's API key (HTTP 401: unknown API key)" in err.value
+    # /health needs no key: the engines' load still shows, the cache figures do not.
+    assert _metrics(at) == {"Sequences running": "5", "Sequences waiting": "1", "Engines serving": "2/3"}
+
+
+def test_overview_concurrency_without_health_is_a_message(canned_gateway) -> None:
+    canned_gateway.routes[("GET", "/v1/stats")] = (200, STATS)
+    canned_gateway.routes[("GET", "/health")] = (503, {"error": {"message": "starting", "code": 503}})
+    at = _run("overview", canned_gateway.url)
+    (err,) = at.error
+    assert err.value == "The gateway answered /health with HTTP 503: starting"
+    assert _metrics(at)["Requests"] == "3" and "Sequences running" not in _metrics(at)
 
 
 @pytest.mark.parametrize("refresh_s", [0.0, 5.0])
 def test_overview_figures(canned_gateway, refresh_s: float) -> None:
     canned_gateway.routes[("GET", "/v1/stats")] = (200, STATS)
+    canned_gateway.routes[("GET", "/health")] = (200, HEALTH)
     at = _run("overview", canned_gateway.url, refresh_s)
     m = _metrics(at)
     assert m["Requests"] == "3"
@@ -69,15 +82,24 @@ def test_overview_figures(canned_gateway, refresh_s: float) -> None:
     assert m["Warm TTFT speedup"] == "4.0×"
     assert m["Engines healthy"] == "1/1"
     assert not at.info  # there is data: no "no requests yet" banner
-    summary = at.table[0].value
+    assert (m["Sequences running"], m["Sequences waiting"], m["Engines serving"]) == ("5", "1", "2/3")
+    per_engine = at.table[0].value
+    assert per_engine.to_dict("index") == {
+        "http://e1": {"state": "healthy", "running": "3", "waiting": "1"},
+        "http://e2": {"state": "healthy", "running": "2", "waiting": "0"},
+        "http://e3": {"state": "down", "running": "–", "waiting": "–"},
+    }
+    summary = at.table[1].value
     assert list(summary.index) == ["cold", "warm"]
     assert summary.loc["warm", "p50 ms"] == "100.0" and summary.loc["cold", "requests"] == 1
 
 
 def test_overview_with_no_data_yet(canned_gateway) -> None:
     canned_gateway.routes[("GET", "/v1/stats")] = (200, EMPTY_STATS)
+    canned_gateway.routes[("GET", "/health")] = (200, {"status": "ok", "engines": EMPTY_STATS["engines"]})
     at = _run("overview", canned_gateway.url)
     assert at.info[0].value.startswith("No requests yet")
+    assert (_metrics(at)["Sequences running"], _metrics(at)["Sequences waiting"]) == ("0", "0")
     m = _metrics(at)
     assert (m["Requests"], m["Hit rate (requests)"], m["Restore bandwidth"]) == ("0", "–", "–")
 

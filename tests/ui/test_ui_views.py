@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from ui_payloads import CACHE, EMPTY_STATS, NS_A, NS_B, SESSIONS, STATS, TIMELINE
+from ui_payloads import CACHE, EMPTY_STATS, HEALTH, NS_A, NS_B, SESSIONS, STATS, TIMELINE
 
 from keepwarm.ui import views
 
@@ -30,6 +30,21 @@ def test_overview_with_no_data_yet() -> None:
     assert ov.saved_per_hour == 0.0
     empty = views.overview({}, now=5.0)
     assert empty.uptime_seconds is None and empty.saved_per_hour is None and empty.engines_total == 0
+
+
+def test_concurrency_per_engine_and_in_total() -> None:
+    cc = views.concurrency(HEALTH)
+    assert [(e.url, e.healthy, e.running, e.waiting) for e in cc.engines] == [
+        ("http://e1", True, 3, 1),
+        ("http://e2", True, 2, 0),
+        ("http://e3", False, None, None),
+    ]
+    assert (cc.running, cc.waiting, cc.healthy) == (5, 1, 2)
+    # An older gateway (no counts) or a stray figure for a down engine counts as unknown.
+    old = views.concurrency({"engines": [{"url": "a", "healthy": True}, {"url": "b", "running": 4}, "junk"]})
+    assert [(e.url, e.running, e.waiting) for e in old.engines] == [("a", None, None), ("b", None, None)]
+    assert (old.running, old.waiting, old.healthy) == (0, 0, 1)
+    assert views.concurrency({}) == views.Concurrency(engines=[], running=0, waiting=0, healthy=0)
 
 
 def test_hit_rates_fall_back_to_counts() -> None:

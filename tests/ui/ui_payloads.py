@@ -35,7 +35,7 @@ STATS: dict[str, Any] = {
          "prefill_saved_ms": 0.0, "restore_ms": 0.0, "restored_tokens": 0, "completion_tokens": 8,
          "diverged_at": None},
     ],
-    "engines": [{"url": "http://e1", "healthy": True}],
+    "engines": [{"url": "http://e1", "healthy": True, "running": 0, "waiting": 0}],
     "since": 1_700_000_000.0,
 }  # fmt: skip
 
@@ -47,9 +47,21 @@ EMPTY_STATS: dict[str, Any] = {
     },
     "ttft_ms": {"cold": [], "warm": []},
     "recent": [],
-    "engines": [{"url": "http://e1", "healthy": True}],
+    "engines": [{"url": "http://e1", "healthy": True, "running": 0, "waiting": 0}],
     "since": 1_700_000_000.0,
 }  # fmt: skip
+
+# /health of a gateway over three engines, one of them down (its load unknown).
+HEALTH: dict[str, Any] = {
+    "status": "degraded",
+    "engines": [
+        {"url": "http://e1", "healthy": True, "running": 3, "waiting": 1},
+        {"url": "http://e2", "healthy": True, "running": 2, "waiting": 0},
+        {"url": "http://e3", "healthy": False, "running": None, "waiting": None},
+    ],
+    "redis": True,
+    "redis_circuit": {"open": False, "trips": 0, "fast_failures": 0, "last_error": None},
+}
 
 SESSIONS: list[dict[str, Any]] = [
     {"id": "old", "engine": "http://e1", "key": "k0", "tokens": 40, "updated": 1_700_000_001.0, "turns": 1,

@@ -25,7 +25,6 @@ MODEL_TYPE_TO_FAMILY = {
     "laguna": "laguna",
     "gpt_oss": "gpt_oss",
 }
-_PLACED = {"dense", "laguna", "gpt_oss", "qwen3_5", "deepseek_v4"}  # families whose build takes a Placement
 
 
 def build_backend(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype, ops: Ops) -> Backend:
@@ -43,12 +42,5 @@ def build_backend(ckpt: Checkpoint, where: torch.device | Placement, dtype: torc
             f"--layer-split places {placement.num_layers} layers; this model has {ckpt.num_layers}"
         )
     module = importlib.import_module(f"keepwarm.engine.models.{family}")
-    if family in _PLACED:
-        backend: Backend = module.build(ckpt, placement, dtype, ops)
-        return backend
-    if len(placement.stages) > 1:
-        raise PlacementError(
-            f"--layer-split: the {family} family runs on one device only (drop --layer-split)"
-        )
-    backend = module.build(ckpt, placement.first, dtype, ops)
+    backend: Backend = module.build(ckpt, placement, dtype, ops)
     return backend

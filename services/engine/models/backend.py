@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from keepwarm.engine.cache.snapshot import Geometry, Snapshot
+from keepwarm.engine.models.placement import Placement
 
 
 @dataclass
@@ -33,11 +34,14 @@ class State:
 
 
 class Backend(Protocol):
-    """A model family bound to loaded weights on one device and dtype."""
+    """A model family bound to loaded weights and a dtype, its layers placed on one or more
+    devices (`placement`: each layer's weights and state on its stage's device; `device` is
+    the first stage's, where tokens enter; logits come out on the last stage's)."""
 
     family: str
     geometry: Geometry
     vocab_size: int
+    placement: Placement
     device: torch.device
     dtype: torch.dtype
 

@@ -160,26 +160,38 @@ def _cos_sin(rope: Rope, positions: torch.Tensor, dtype: torch.dtype) -> tuple[t
     return (freqs.cos() * rope.attention_scaling).to(dtype), (freqs.sin() * rope.attention_scaling).to(dtype)
 
 
+def _sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """x summed over `dim` (kept, size 1) by elementwise adds in index order: the same bits for
+    a row whatever the other dims' sizes (a torch reduction may block by shape)."""
+    parts = x.unbind(dim)
+    total = parts[0]
+    for p in parts[1:]:
+        total = total + p
+    return total.unsqueeze(dim)
+
+
 def _hc_weights(
-    hc: _HyperConnection, streams: torch.Tensor, cfg: DeepseekV4Config
+    hc: _HyperConnection, streams: torch.Tensor, cfg: DeepseekV4Config, ops: Ops
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mHC for streams [T, n, hidden]: post [T, n] and comb [T, n, n] (float32, comb
-    Sinkhorn-projected onto doubly-stochastic matrices), and the collapsed block input [T, hidden]."""
+    Sinkhorn-projected onto doubly-stochastic matrices), and the collapsed block input [T, hidden].
+    Every reduction is row-local in a fixed order (ops.linear, _sum), so a token's weights do
+    not depend on T."""
     t, n = streams.shape[0], cfg.hc_mult
     flat = unweighted_rms_norm(streams.reshape(t, -1).float(), cfg.rms_norm_eps)
-    mixes = F.linear(flat, hc.fn)
+    mixes = ops.linear(flat, hc.fn)
     pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
     pre_b, post_b, comb_b = hc.base.split([n, n, n * n])
     pre_s, post_s, comb_s = hc.scale.unbind(0)
     eps = cfg.hc_eps
-    pre = torch.sigmoid(pre_w * pre_s + pre_b) + eps
-    post = 2 * torch.sigmoid(post_w * post_s + post_b)
-    comb = torch.softmax(comb_w.view(t, n, n) * comb_s + comb_b.view(n, n), dim=-1) + eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    pre = ops.sigmoid(pre_w * pre_s + pre_b) + eps
+    post = 2 * ops.sigmoid(post_w * post_s + post_b)
+    comb = ops.softmax(comb_w.view(t, n, n) * comb_s + comb_b.view(n, n), -1) + eps
+    comb = comb / (_sum(comb, -2) + eps)
     for _ in range(cfg.hc_sinkhorn_iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        comb = comb / (_sum(comb, -1) + eps)
+        comb = comb / (_sum(comb, -2) + eps)
+    collapsed = _sum(pre.unsqueeze(-1) * streams, 1).squeeze(1).to(streams.dtype)
     return post, comb, collapsed
 
 
@@ -188,9 +200,10 @@ def _hc_merge(
 ) -> torch.Tensor:
     """New streams [T, n, hidden] = post * block output + comb^T @ old streams."""
     dtype = streams.dtype
-    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(
-        comb.to(dtype).transpose(-1, -2), streams
-    )
+    # comb^T @ streams as float32 products summed in stream order, one rounding (a batched
+    # matmul's blocking would depend on T)
+    mixed = _sum(comb.transpose(-1, -2).unsqueeze(-1) * streams.float().unsqueeze(1), 2).squeeze(2)
+    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + mixed.to(dtype)
 
 
 # -- geometry ----------------------------------------------------------------------
@@ -368,17 +381,18 @@ class DeepseekV4Backend:
             if streams.device != dev:  # a stage boundary: the mHC streams, positions and ids move on
                 streams, tokens = streams.to(dev), tokens.to(dev)
                 cos_sin = {k: (cos.to(dev), sin.to(dev)) for k, (cos, sin) in cos_sin.items()}
-            post, comb, collapsed = _hc_weights(layer.attn_hc, streams, c)
-            h = rms_norm(collapsed, layer.attn_norm, c.rms_norm_eps)
+            post, comb, collapsed = _hc_weights(layer.attn_hc, streams, c, self.ops)
+            h = self.ops.rms_norm_1p(collapsed, layer.attn_norm, c.rms_norm_eps)
             out = self._attention(i, layer, h, states, step, cos_sin)
             streams = _hc_merge(streams, out, post, comb)
-            post, comb, collapsed = _hc_weights(layer.ffn_hc, streams, c)
-            h = rms_norm(collapsed, layer.ffn_norm, c.rms_norm_eps)
+            post, comb, collapsed = _hc_weights(layer.ffn_hc, streams, c, self.ops)
+            h = self.ops.rms_norm_1p(collapsed, layer.ffn_norm, c.rms_norm_eps)
             streams = _hc_merge(streams, self._moe(layer, h, tokens), post, comb)
         if not all_logits:
             streams = streams[step.last_rows]
         x = self._hc_head(streams)
-        logits = self.ops.linear(rms_norm(x, self.final_norm, c.rms_norm_eps), self.lm_head).float()
+        normed = self.ops.rms_norm_1p(x, self.final_norm, c.rms_norm_eps)
+        logits = self.ops.linear(normed, self.lm_head).float()
         for b, st in enumerate(states):
             st.position = step.starts[b] + step.lengths[b]
             st.logits = logits[-1 if all_logits else b].clone()
@@ -388,8 +402,8 @@ class DeepseekV4Backend:
         """Collapse the streams [T, n, hidden] into one [T, hidden] with sigmoid weights."""
         hc = self.hc_head
         flat = unweighted_rms_norm(streams.flatten(1).float(), self.cfg.rms_norm_eps)
-        pre = torch.sigmoid(F.linear(flat, hc.fn) * hc.scale + hc.base) + self.cfg.hc_eps
-        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        pre = self.ops.sigmoid(self.ops.linear(flat, hc.fn) * hc.scale + hc.base) + self.cfg.hc_eps
+        return _sum(pre.unsqueeze(-1) * streams, 1).squeeze(1).to(streams.dtype)
 
     def _attention(
         self,
@@ -405,10 +419,10 @@ class DeepseekV4Backend:
         c, linear = self.cfg, self.ops.linear
         t, dev = h.shape[0], h.device
         cos, sin = cos_sin["main" if layer.kind == SLIDING else "compress"]
-        q_res = rms_norm(linear(h, layer.q_a), layer.q_a_norm, c.rms_norm_eps)  # [T, q_lora_rank]
+        q_res = self.ops.rms_norm_1p(linear(h, layer.q_a), layer.q_a_norm, c.rms_norm_eps)  # [T, q_lora_rank]
         q = unweighted_rms_norm(linear(q_res, layer.q_b).view(t, c.num_heads, c.head_dim), c.rms_norm_eps)
         q = apply_rope(q, cos, sin)  # [T, H, d]
-        kv = apply_rope(rms_norm(linear(h, layer.kv), layer.kv_norm, c.rms_norm_eps), cos, sin)  # [T, d]
+        kv = apply_rope(self.ops.rms_norm_1p(linear(h, layer.kv), layer.kv_norm, c.rms_norm_eps), cos, sin)
         comp, idx = layer.compressor, layer.indexer
         if comp is not None:  # compressor inputs of every token: kv and gate [T, C] each
             comp_kv, comp_gate = linear(h, comp.kv), linear(h, comp.gate)
@@ -515,8 +529,8 @@ class DeepseekV4Backend:
                 state.tensors[prefix + "overlap_kv"] = ck[-1, :, :d].clone()
                 state.tensors[prefix + "overlap_gate"] = cg[-1, :, :d].clone()
                 ck, cg = wide_kv, wide_gate
-            mixed = (ck * cg.softmax(dim=1, dtype=torch.float32).to(ck.dtype)).sum(dim=1)
-            new = rms_norm(mixed, comp.norm, self.cfg.rms_norm_eps)
+            mixed = _sum(ck * self.ops.softmax(cg, 1).to(ck.dtype), 1).squeeze(1)
+            new = self.ops.rms_norm_1p(mixed, comp.norm, self.cfg.rms_norm_eps)
             block_pos = (first + torch.arange(n, device=self.placement.first)) * r
             cos, sin = _cos_sin(self.rope_compress, block_pos, new.dtype)  # on the first stage
             rows[first : first + n] = apply_rope(new, cos.to(new.device), sin.to(new.device))
@@ -533,17 +547,16 @@ class DeepseekV4Backend:
         n_rows = keys.shape[0]
         if n_rows == 0:
             return torch.zeros((t, 0), dtype=torch.float32, device=dev)
-        # same op shapes as transformers' scorer, so near-ties resolve the same way
-        scores = torch.matmul(
-            q.float().unsqueeze(0), keys.transpose(-1, -2).float().unsqueeze(0).unsqueeze(1)
-        )
-        scores = F.relu(scores) * c.index_head_dim**-0.5  # [1, T, IH, C]
-        index_scores = (scores * weights.unsqueeze(0).unsqueeze(-1)).sum(dim=2)[0]  # [T, C]
+        # q . k per (token, head, entry) through ops.linear (one reduction order per output
+        # whatever T or C), the heads summed in order: a token's scores do not depend on the chunk
+        scores = self.ops.linear(q.float().reshape(t * q.shape[1], -1), keys.float()).view(t, q.shape[1], -1)
+        scores = F.relu(scores) * c.index_head_dim**-0.5  # [T, IH, C]
+        index_scores = _sum(scores * weights.unsqueeze(-1), 1).squeeze(1)  # [T, C]
         q_pos = torch.arange(start, start + t, device=dev)
         visible = ((q_pos + 1) // idx.comp.rate)[:, None]  # blocks completed at each query
         entry = torch.arange(n_rows, device=dev)[None, :]
         index_scores = index_scores.masked_fill(entry >= visible, float("-inf"))
-        top = index_scores.topk(min(c.index_topk, n_rows), dim=-1).indices  # [T, k]
+        top = self.ops.topk(index_scores, min(c.index_topk, n_rows))[1]  # [T, k]; invariant: ties to lowest
         top = torch.where(top < visible, top, torch.full_like(top, n_rows))  # future picks -> spare column
         bias = torch.full((t, n_rows + 1), float("-inf"), dtype=torch.float32, device=dev)
         bias.scatter_(-1, top, 0.0)
@@ -552,25 +565,24 @@ class DeepseekV4Backend:
     def _moe(self, layer: _Layer, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         c, linear = self.cfg, self.ops.linear
         logits = linear(h, layer.router)  # [T, E]
-        scores = F.softplus(logits).sqrt() if c.scoring_func == "sqrtsoftplus" else torch.sigmoid(logits)
+        ops = self.ops
+        scores = ops.softplus(logits).sqrt() if c.scoring_func == "sqrtsoftplus" else ops.sigmoid(logits)
         if layer.tid2eid is not None:
             chosen = layer.tid2eid[tokens]  # [T, k]: hash routing, fixed per token id
         else:
             assert layer.score_bias is not None
-            chosen = torch.topk(
-                scores + layer.score_bias, c.num_experts_per_tok, dim=-1, sorted=False
-            ).indices
+            chosen = ops.topk(scores + layer.score_bias, c.num_experts_per_tok)[1]
         weights = scores.gather(1, chosen)
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * c.routed_scaling_factor
+        weights = weights / (_sum(weights, -1) + 1e-20) * c.routed_scaling_factor
         out = torch.zeros_like(h)
         lim = c.swiglu_limit
         for e in torch.unique(chosen).tolist():
             tok, slot = torch.where(chosen == e)
             gate, up = linear(h[tok], layer.experts_gate_up[e]).chunk(2, dim=-1)
-            y = linear(F.silu(gate.clamp(max=lim)) * up.clamp(min=-lim, max=lim), layer.experts_down[e])
+            y = linear(ops.silu_mul(gate.clamp(max=lim), up.clamp(min=-lim, max=lim)), layer.experts_down[e])
             out.index_add_(0, tok, (y * weights[tok, slot, None]).to(out.dtype))
         gate, up = linear(h, layer.shared_gate_up).chunk(2, dim=-1)
-        shared = linear(F.silu(gate.clamp(max=lim)) * up.clamp(min=-lim, max=lim), layer.shared_down)
+        shared = linear(ops.silu_mul(gate.clamp(max=lim), up.clamp(min=-lim, max=lim)), layer.shared_down)
         return out + shared
 
 

@@ -38,7 +38,7 @@ from keepwarm.engine.loading.checkpoint import Checkpoint, CheckpointError
 from keepwarm.engine.models.backend import State
 from keepwarm.engine.models.placement import Placement
 from keepwarm.engine.models.rope import Rope, build_rope
-from keepwarm.kernels.delta_rule import DeltaRuleOps, delta_rule_for
+from keepwarm.kernels.delta_rule import DeltaRuleOps
 from keepwarm.kernels.ops import Ops
 
 LINEAR = "linear_attention"
@@ -325,16 +325,17 @@ class Qwen35Backend:
             dev = self.placement.device_of(i)
             if x.device != dev:  # a stage boundary: the hidden state and positions move on
                 x, cos, sin = x.to(dev), cos.to(dev), sin.to(dev)
-            h = rms_norm_1p(x, layer.input_norm, c.rms_norm_eps)
+            h = self.ops.rms_norm_1p(x, layer.input_norm, c.rms_norm_eps)
             if isinstance(layer.mixer, _Linear):
                 x = x + self._linear(i, layer.mixer, h, states, step)
             else:
                 x = x + self._attention(i, layer.mixer, h, states, step, cos, sin)
-            h = rms_norm_1p(x, layer.post_norm, c.rms_norm_eps)
+            h = self.ops.rms_norm_1p(x, layer.post_norm, c.rms_norm_eps)
             x = x + self._mlp(layer.mlp, h)
         if not all_logits:
             x = x[step.last_rows]
-        logits = self.ops.linear(rms_norm_1p(x, self.final_norm, c.rms_norm_eps), self.lm_head).float()
+        normed = self.ops.rms_norm_1p(x, self.final_norm, c.rms_norm_eps)
+        logits = self.ops.linear(normed, self.lm_head).float()
         for b, st in enumerate(states):
             st.position = step.starts[b] + step.lengths[b]
             st.logits = logits[-1 if all_logits else b].clone()
@@ -354,8 +355,8 @@ class Qwen35Backend:
             c.linear_value_head_dim,
         )
         mixed, z, b, a = self.ops.linear(h, w.w_in).split([c.conv_dim, c.value_dim, hv, hv], dim=-1)
-        beta = b.sigmoid()
-        g = -w.a_log.float().exp() * F.softplus(a.float() + w.dt_bias)  # [T, Hv] float32 log decay
+        beta = self.ops.sigmoid(b)
+        g = -w.a_log.float().exp() * self.ops.softplus(a.float() + w.dt_bias)  # [T, Hv] float32 log decay
         conv_name, rec_name = f"layers.{i}.conv", f"layers.{i}.recurrent"
         keep = c.conv_kernel - 1
         out = h.new_empty((t, hv, dv))  # delta-rule output per token
@@ -366,7 +367,7 @@ class Qwen35Backend:
             rows, nd = step.decode_rows, len(step.decodes)
             carried = torch.stack([states[s].tensors[conv_name] for s in step.decodes])  # [Bd, conv_dim, K-1]
             window = torch.cat([carried, mixed[rows].unsqueeze(-1)], dim=-1)  # [Bd, conv_dim, K]
-            conv = F.silu(F.conv1d(window, w.conv, groups=c.conv_dim))[..., -1]  # [Bd, conv_dim]
+            conv = self.ops.conv_silu(window, w.conv)[..., -1]  # [Bd, conv_dim]
             q, k, v = conv.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
             recurrent = torch.cat([states[s].tensors[rec_name] for s in step.decodes])  # [Bd Hv, Dk, Dv]
             o, new_rec = self.delta_rule.decode(
@@ -388,9 +389,7 @@ class Qwen35Backend:
             # inside a conv window sees exactly the inputs a one-shot run would.
             window = torch.cat([st.tensors[conv_name], mixed[o0 : o0 + n].t()], dim=1)  # [conv_dim, K-1+n]
             st.tensors[conv_name] = window[:, window.shape[1] - keep :].contiguous()
-            conv = (
-                F.silu(F.conv1d(window.unsqueeze(0), w.conv, groups=c.conv_dim)).squeeze(0).t()
-            )  # [n, conv_dim]
+            conv = self.ops.conv_silu(window, w.conv).t()  # [n, conv_dim]
             q, k, v = conv.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
             out[o0 : o0 + n], st.tensors[rec_name] = self.delta_rule.prefill(
                 q.reshape(n, hk, dk),
@@ -402,7 +401,7 @@ class Qwen35Backend:
             )
         # Gated RMSNorm per value head: norm(out) * w, then * silu(z) in float32, cast back.
         normed = self.ops.rms_norm(out, w.norm, c.rms_norm_eps)
-        gated = (normed * F.silu(z.reshape(t, hv, dv).float())).to(h.dtype)
+        gated = (normed * self.ops.silu(z.reshape(t, hv, dv).float())).to(h.dtype)
         return self.ops.linear(gated.reshape(t, c.value_dim), w.w_out)
 
     def _attention(
@@ -422,8 +421,8 @@ class Qwen35Backend:
         qg = self.ops.linear(h, w.w_q).view(t, c.num_heads, 2 * d)
         q, gate = qg[..., :d], qg[..., d:].reshape(t, c.num_heads * d)
         k, v = self.ops.linear(h, w.w_kv).split([c.num_kv_heads * d, c.num_kv_heads * d], dim=-1)
-        q = rms_norm_1p(q, w.q_norm, c.rms_norm_eps)
-        k = rms_norm_1p(k.view(t, c.num_kv_heads, d), w.k_norm, c.rms_norm_eps)
+        q = ops.rms_norm_1p(q, w.q_norm, c.rms_norm_eps)
+        k = ops.rms_norm_1p(k.view(t, c.num_kv_heads, d), w.k_norm, c.rms_norm_eps)
         v = v.view(t, c.num_kv_heads, d)
         r = cos.shape[-1]  # partial RoPE: only the first R dims of each head rotate
         q = torch.cat([ops.rotary(q[..., :r], cos, sin), q[..., r:]], dim=-1)
@@ -439,10 +438,10 @@ class Qwen35Backend:
             else:
                 outs.append(ops.prefill_attention(q[o : o + n], k_cache[:end], v_cache[:end], self.scale))
         attn = outs[0] if len(outs) == 1 else torch.cat(outs)
-        return self.ops.linear(attn.reshape(t, c.num_heads * d) * torch.sigmoid(gate), w.w_o)
+        return self.ops.linear(attn.reshape(t, c.num_heads * d) * ops.sigmoid(gate), w.w_o)
 
     def _mlp(self, w: _Mlp | _Moe, h: torch.Tensor) -> torch.Tensor:
-        return _mlp(w, h, self.ops.linear) if isinstance(w, _Mlp) else _moe(w, h, self.ops.linear)
+        return _mlp(w, h, self.ops) if isinstance(w, _Mlp) else _moe(w, h, self.ops)
 
 
 @dataclass(frozen=True)
@@ -500,24 +499,30 @@ class _Step:
         )
 
 
-def _mlp(w: _Mlp, h: torch.Tensor, linear: Linear) -> torch.Tensor:
-    gate, up = linear(h, w.w_gate_up).chunk(2, dim=-1)
-    return linear(F.silu(gate) * up, w.w_down)
+def _mlp(w: _Mlp, h: torch.Tensor, ops: Ops) -> torch.Tensor:
+    gate, up = ops.linear(h, w.w_gate_up).chunk(2, dim=-1)
+    return ops.linear(ops.silu_mul(gate, up), w.w_down)
 
 
-def _moe(w: _Moe, h: torch.Tensor, linear: Linear) -> torch.Tensor:
-    """h [T, hidden] -> [T, hidden], as transformers' Qwen3_5MoeSparseMoeBlock."""
+def _moe(w: _Moe, h: torch.Tensor, ops: Ops) -> torch.Tensor:
+    """h [T, hidden] -> [T, hidden], as transformers' Qwen3_5MoeSparseMoeBlock. Per token:
+    ties in the router go to the lowest expert id (ops.topk), the k weights are summed in
+    rank order, and experts add into the output in increasing id order."""
+    linear = ops.linear
     router_logits = linear(h, w.router)  # [T, E]
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    top_w, top_i = torch.topk(probs, w.top_k, dim=-1)  # [T, k]
-    top_w = (top_w / top_w.sum(dim=-1, keepdim=True)).to(router_logits.dtype)
+    top_w, top_i = ops.topk(probs, w.top_k)  # [T, k]
+    total = top_w[:, 0]
+    for j in range(1, w.top_k):  # elementwise adds: the same bits whatever T
+        total = total + top_w[:, j]
+    top_w = (top_w / total[:, None]).to(router_logits.dtype)
     out = torch.zeros_like(h)
     for e in top_i.unique().tolist():  # only the experts some token routed to
         tok, slot = torch.where(top_i == e)
         gate, up = linear(h[tok], w.gate_up[e]).chunk(2, dim=-1)
-        y = linear(F.silu(gate) * up, w.down[e]) * top_w[tok, slot, None]
+        y = linear(ops.silu_mul(gate, up), w.down[e]) * top_w[tok, slot, None]
         out.index_add_(0, tok, y.to(out.dtype))
-    return out + torch.sigmoid(linear(h, w.shared_gate)) * _mlp(w.shared, h, linear)
+    return out + ops.sigmoid(linear(h, w.shared_gate)) * _mlp(w.shared, h, ops)
 
 
 def geometry_of(cfg: Qwen35Config, dtype: torch.dtype) -> Geometry:
@@ -669,7 +674,8 @@ def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype,
         placement,
         dtype,
         ops,
-        placement.per_device(delta_rule_for),  # the one place the delta-rule implementation is chosen
+        # the delta rule comes with the ops bundle (invariant mode: one token-serial form)
+        DeltaRuleOps(ops.name, ops.delta_rule_prefill, ops.delta_rule_decode),
     )
 
 

@@ -12,7 +12,6 @@ import torch
 
 from keepwarm.engine.loading.checkpoint import CheckpointError
 
-
 TABLE_BLOCK = 1024  # positions per precomputed block of the cos/sin table
 
 
