@@ -378,7 +378,7 @@ def test_services_agree_on_addresses_and_first_start(stack: Stack, tmp_path: Pat
     api_env = _moved(_moved(api_svc.env, STATE_DIR, state), str(Path(TOKEN_FILE).parent), token_dir)
     gateway = parse_config([], bootstrap.first_start(api_env))
     assert (gateway.host, gateway.port) == ("0.0.0.0", 8000)
-    assert gateway.engines == (f"http://engine:{engine.port}",)
+    assert gateway.engines == (f"dns+http://engine:{engine.port}",)  # every replica of `engine`
     assert urlsplit(gateway.redis_url).hostname == "redis" and urlsplit(gateway.redis_url).port == 6379
     key = (state / bootstrap.KEY_FILE).read_text().strip()
     assert gateway.api_keys == {key: bootstrap.TENANT}

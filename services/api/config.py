@@ -13,6 +13,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from keepwarm.api.engines import EngineSourceError, parse_engine
 from keepwarm.settings import SettingsError, add_arguments, internal, load, parse_list, setting
 
 TENANT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -61,7 +62,8 @@ class GatewayConfig:
         repeat=True,
         metavar="URL",
         default_text="(required)",
-        help="engine base URL; repeat the flag, or separate URLs by commas in the variable",
+        help="engine base URL; repeat the flag, or separate URLs by commas in the variable; "
+        "`dns+http://NAME:PORT` is every address NAME resolves to (see Scaling out)",
     )
     redis_url: str = setting(
         "redis://127.0.0.1:6379/0",
@@ -167,8 +169,10 @@ class GatewayConfig:
         if not self.engines:
             raise ConfigError("no engine configured: pass --engine http://HOST:PORT or set KEEPWARM_ENGINES")
         for url in self.engines:
-            if not url.startswith(("http://", "https://")):
-                raise ConfigError(f"engine URL {url!r} must start with http:// or https://")
+            try:
+                parse_engine(url)
+            except EngineSourceError as e:
+                raise ConfigError(str(e)) from None
         if len(set(self.engines)) != len(self.engines):
             raise ConfigError(f"engine URLs must be distinct, got {list(self.engines)}")
         if not self.api_keys:

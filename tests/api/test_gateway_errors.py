@@ -51,7 +51,7 @@ def test_health_reports_engines_without_auth(lonely_gateway: Proc, dead_engine: 
     assert r.status_code == 200
     assert r.json() == {
         "status": "degraded",
-        "engines": [{"url": dead_engine, "healthy": False}],
+        "engines": [{"url": dead_engine, "healthy": False, "running": None, "waiting": None}],
         "redis": True,
         "redis_circuit": {"open": False, "trips": 0, "fast_failures": 0, "last_error": None},
     }
@@ -200,7 +200,7 @@ def test_stats_answer_with_engines_and_zero_totals(lonely_gateway: Proc, redis_s
     redis_sync.set("keepwarm:stats:alpha:since", 123.5)
     body = httpx.get(lonely_gateway.url + "/v1/stats", headers=ALPHA).json()
     assert body["tenant"] == "alpha" and body["totals"]["requests"] == 0 and body["recent"] == []
-    assert body["engines"] == [{"url": dead_engine, "healthy": False}]
+    assert body["engines"] == [{"url": dead_engine, "healthy": False, "running": None, "waiting": None}]
     assert body["since"] == 123.5
     assert httpx.get(lonely_gateway.url + "/v1/sessions", headers=ALPHA).json() == {"tenant": "alpha",
                                                                                     "sessions": []}  # fmt: skip

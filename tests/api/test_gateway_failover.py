@@ -58,7 +58,9 @@ def test_engine_killed_then_restarted_serves_from_disk(
         assert down.status_code == 503 and down.json()["error"]["message"].startswith("no healthy engine")
         assert down.headers["retry-after"] == "1"
         health = httpx.get(gw.url + "/health").json()
-        assert health["status"] == "degraded" and health["engines"] == [{"url": engine.url, "healthy": False}]
+        assert health["status"] == "degraded" and health["engines"] == [
+            {"url": engine.url, "healthy": False, "running": None, "waiting": None}
+        ]
         engine = start_engine(demo_model, cache, logs, port=port)
         # Same conversation, next turn: the memory tier died with the process, the disk did not.
         r = chat(gw, "volcanoes", "restart")

@@ -127,7 +127,11 @@ def test_overview_sessions_and_cache_reflect_two_turns(stack: Stack, page: Page,
     assert metric(page, "Hit rate (tokens)") == views.fmt_pct(totals["hit_rate_tokens"])
     assert metric(page, "Tokens reused") == f"{totals['cached_tokens']:,}"
     assert metric(page, "Prefill saved") == views.fmt_seconds(totals["prefill_saved_seconds"])
-    assert totals["prefill_saved_seconds"] > 0
+    # Concurrency, from the gateway's /health: nothing running between requests, the one engine serving.
+    health = httpx.get(stack.gateway.url + "/health", timeout=30).json()
+    assert [(e["healthy"], e["running"], e["waiting"]) for e in health["engines"]] == [(True, 0, 0)]
+    assert (metric(page, "Sequences running"), metric(page, "Sequences waiting")) == ("0", "0")
+    assert metric(page, "Engines serving") == "1/1"
     expect(page.get_by_text("TTFT over time")).to_be_visible()
     page.wait_for_timeout(1000)  # let the charts draw before the picture
     page.screenshot(path=str(tmp_path / "overview.png"), full_page=True)

@@ -155,9 +155,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def _cos_sin(rope: Rope, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [N, Dr/2] at absolute `positions` [N], cast to `dtype` as transformers does."""
-    freqs = positions.float()[:, None] * rope.inv_freq[None, :]
-    return (freqs.cos() * rope.attention_scaling).to(dtype), (freqs.sin() * rope.attention_scaling).to(dtype)
+    """cos, sin [N, Dr/2] at absolute `positions` [N], cast to `dtype` as transformers does:
+    the first half of the rope's table rows (computed in fixed blocks, so a position's values
+    are the same bits whatever the chunk; torch's cos/sin of a fresh [N, Dr/2] are not)."""
+    cos, sin = rope.cos_sin_at(positions, dtype)  # [N, Dr] = the [N, Dr/2] values twice
+    half = rope.inv_freq.shape[0]
+    return cos[:, :half], sin[:, :half]
 
 
 def _sum(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -202,7 +205,8 @@ def _hc_merge(
     dtype = streams.dtype
     # comb^T @ streams as float32 products summed in stream order, one rounding (a batched
     # matmul's blocking would depend on T)
-    mixed = _sum(comb.transpose(-1, -2).unsqueeze(-1) * streams.float().unsqueeze(1), 2).squeeze(2)
+    comb_t = comb.to(dtype).float().transpose(-1, -2)  # rounded to the streams' dtype, as the reference
+    mixed = _sum(comb_t.unsqueeze(-1) * streams.float().unsqueeze(1), 2).squeeze(2)
     return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + mixed.to(dtype)
 
 
@@ -459,8 +463,9 @@ class DeepseekV4Backend:
         # K = V carries rope on its trailing slice: rotate the output back by the query position
         out = apply_rope(out, cos, -sin)
         g = c.o_groups
-        grouped = torch.bmm(out.reshape(t, g, -1).transpose(0, 1), layer.o_a.transpose(1, 2))  # [g, T, d_g]
-        return linear(grouped.transpose(0, 1).reshape(t, -1), layer.o_b)
+        per_group = out.reshape(t, g, -1)
+        grouped = torch.cat([linear(per_group[:, j], layer.o_a[j]) for j in range(g)], dim=-1)  # [T, g d_g]
+        return linear(grouped, layer.o_b)
 
     def _attend(
         self,
@@ -529,7 +534,8 @@ class DeepseekV4Backend:
                 state.tensors[prefix + "overlap_kv"] = ck[-1, :, :d].clone()
                 state.tensors[prefix + "overlap_gate"] = cg[-1, :, :d].clone()
                 ck, cg = wide_kv, wide_gate
-            mixed = _sum(ck * self.ops.softmax(cg, 1).to(ck.dtype), 1).squeeze(1)
+            # products in kv's dtype, summed in float32 in slot order, one rounding (as torch's sum)
+            mixed = _sum((ck * self.ops.softmax(cg, 1).to(ck.dtype)).float(), 1).squeeze(1).to(ck.dtype)
             new = self.ops.rms_norm_1p(mixed, comp.norm, self.cfg.rms_norm_eps)
             block_pos = (first + torch.arange(n, device=self.placement.first)) * r
             cos, sin = _cos_sin(self.rope_compress, block_pos, new.dtype)  # on the first stage
