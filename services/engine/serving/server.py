@@ -4,6 +4,7 @@ extensions, models, health, Prometheus metrics and the cache admin API."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hmac
 import json
 import shutil
@@ -265,6 +266,8 @@ def create_app(models: ModelSet, cfg: EngineConfig) -> Litestar:
         return engine
 
     def error(e: Exception) -> Response[Any]:
+        if isinstance(e, ClientGone):
+            return Response(content=b"", status_code=499)
         if isinstance(e, wire.WireError):
             return Response(error_body(str(e), e.status, e.param), status_code=e.status)
         if isinstance(e, RequestError):
@@ -330,7 +333,7 @@ def create_app(models: ModelSet, cfg: EngineConfig) -> Litestar:
         req = call.request
         engine = await acquire(slot)
         try:
-            prompt = await asyncio.to_thread(engine.prepare, req)
+            prompt = await _prepared(request, engine, req)
             shape = reply_shape(engine, call.tools_enabled, call.parallel_tool_calls, prompt.tokens)
             rid = "chatcmpl-" + uuid.uuid4().hex[:24]
             if worker.depth == 0:
@@ -374,7 +377,7 @@ def create_app(models: ModelSet, cfg: EngineConfig) -> Litestar:
                 raise RequestError(
                     f"prompt token ids must be below {engine.tokenizer.vocab_size}", param="prompt"
                 )
-            prompt = await asyncio.to_thread(engine.prepare, req)
+            prompt = await _prepared(request, engine, req)
             rid = "cmpl-" + uuid.uuid4().hex[:24]
             if worker.depth == 0:
                 drain.busy()
@@ -632,6 +635,33 @@ def create_app(models: ModelSet, cfg: EngineConfig) -> Litestar:
         openapi_config=OpenAPIConfig(title="keepwarm engine", version="0.1.0", path="/schema"),
         plugins=[wire.ClosedStructSchema()],
     )
+
+
+# Rendering and tokenizing prompts runs on its own small pool: the work is linear in the
+# request (and the gateway caps messages and bytes), and a flood of large bodies can
+# only queue here, never starve the threads that serve the cache admin API.
+_PREPARE_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="keepwarm-prepare")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its prompt was ready (HTTP 499, nothing queued)."""
+
+
+async def _prepared(request: Request[Any, Any, Any], engine: Engine, req: Any) -> Any:
+    """`engine.prepare(req)` raced against the client's disconnect: a client that goes away
+    while its prompt renders is dropped at once (its render, bounded, finishes unused and
+    it never reaches the queue)."""
+    loop = asyncio.get_running_loop()
+    work = loop.run_in_executor(_PREPARE_POOL, engine.prepare, req)
+    gone = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not work.done():
+        work.cancel()  # not started yet: never runs
+        raise ClientGone
+    return work.result()
 
 
 async def _until_disconnect(request: Request[Any, Any, Any]) -> None:
