@@ -7,8 +7,13 @@ the shapes).
 
 Shapes as kernels/ops.py: prefill_attention(q [T, Hq, D], k, v [S, Hkv, D], scale) with
 query t at position S - T + t; decode_attention(q [Hq, D], k, v, scale). `window` > 0
-limits a query at position p to keys p - window + 1 .. p. Falls back to the torch
-references (not invariant) when the kernel is absent or the inputs do not fit it."""
+limits a query at position p to keys p - window + 1 .. p. `offset` is the absolute position
+of key row 0 (a sliding window's kept rows), so key tiles stay at absolute positions.
+`extra_k`, `extra_v` [C, Hkv, D] with `extra_mask` [T, C] bool are keys each query sees where
+its mask is set (DeepSeek V4's compressed rows), reduced after the window's tiles; `sinks`
+[Hq] float32 adds one logit per head to the softmax denominator, last. `attention_reference`
+is the same function in torch (fp32, not invariant). Falls back to the torch references
+(not invariant) when the kernel is absent or the inputs do not fit it."""
 
 from __future__ import annotations
 
@@ -33,13 +38,57 @@ def available() -> bool:
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    offset: int = 0,
+    extra_k: torch.Tensor | None = None,
+    extra_v: torch.Tensor | None = None,
+    extra_mask: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """q [T, Hq, D] against k, v [S, Hkv, D] -> [T, Hq, D], or None when the kernel cannot run."""
     ext = extension()
-    if ext is None or torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    xs = [t for t in (q, k, v, extra_k, extra_v, sinks) if t is not None]
+    if ext is None or torch.is_grad_enabled() and any(t.requires_grad for t in xs):
         return None
-    return ext.try_attention(q, k, v, scale, window)
+    return ext.try_attention(q, k, v, scale, window, offset, extra_k, extra_v, extra_mask, sinks)
+
+
+def attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    offset: int = 0,
+    extra_k: torch.Tensor | None = None,
+    extra_v: torch.Tensor | None = None,
+    extra_mask: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`attention` in torch, fp32 arithmetic, result in q's dtype (not invariant)."""
+    t, hq, _ = q.shape
+    s, hkv = k.shape[0], k.shape[1]
+    g = hq // hkv
+    q_pos = torch.arange(offset + s - t, offset + s)[:, None]
+    k_pos = torch.arange(offset, offset + s)[None, :]
+    allowed = k_pos <= q_pos
+    if window > 0:
+        allowed &= k_pos > q_pos - window
+    keys, values = k.float(), v.float()
+    if extra_k is not None and extra_v is not None and extra_mask is not None:
+        keys, values = torch.cat([keys, extra_k.float()]), torch.cat([values, extra_v.float()])
+        allowed = torch.cat([allowed, extra_mask.to(torch.bool)], dim=-1)
+    keys, values = keys.repeat_interleave(g, dim=1), values.repeat_interleave(g, dim=1)  # [S', Hq, D]
+    scores = torch.einsum("thd,shd->hts", q.float(), keys) * scale
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.float().view(-1, 1, 1).expand(-1, t, 1)], dim=-1)
+    probs = torch.softmax(scores, dim=-1)[..., : keys.shape[0]]
+    return torch.einsum("hts,shd->thd", probs, values).to(q.dtype)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -18,6 +18,7 @@ import math
 import threading
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -284,10 +285,14 @@ class SelfCheck:
     ) -> torch.Tensor:
         return self._attention_ops(q, k).decode_attention(q, k, v, scale)
 
+    def attention(self, q: torch.Tensor, k: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor | None:
+        return self._attention_ops(q, k).attention(q, k, *args, **kwargs)
+
     def ops(self) -> Ops:
         """The checked bundle (named after the fast one)."""
         return replace(
             self.fast,
+            attention=self.attention,
             rms_norm=self.rms_norm,
             rotary=self.rotary,
             prefill_attention=self.prefill_attention,

@@ -14,6 +14,9 @@ Shapes (one sequence, no batch dim):
   softmax(x, dim) -> float32 softmax over `dim` (invariant: max, exp, then a sum in index order)
   conv_silu(x [..., C, L], weight [C, 1, K]) -> [..., C, L-K+1]   (silu of a depthwise causal conv)
   topk(x [..., E], k) -> (values, indices) [..., k]   (invariant: ties to the lowest index)
+  attention(q, k, v, scale, window=, offset=, extra_k=, extra_v=, extra_mask=, sinks=) -> [T, Hq, D]
+      or None: kernels/cpu_attention.attention's contract (sliding window over kept rows,
+      masked extra keys, sinks); None where the bundle has no such kernel (use torch)
   delta_rule_prefill / delta_rule_decode: the gated delta rule (kernels/delta_rule.py's contract)
       for a chunk of many tokens / one token
 Hq is a multiple of Hkv (GQA/MQA).
@@ -58,6 +61,7 @@ class Ops:
     topk: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] = reference.topk
     delta_rule_prefill: DeltaRuleFn = chunk_gated_delta_rule
     delta_rule_decode: DeltaRuleFn = recurrent_gated_delta_rule
+    attention: Callable[..., torch.Tensor | None] = reference.no_kernel
 
 
 TORCH_OPS = Ops(
@@ -114,6 +118,7 @@ def cpu_ops(invariant: bool = True) -> Ops:
         topk=reference.stable_topk,
         delta_rule_prefill=cpu_delta_rule.gated_delta_rule,  # token-serial: chunk == decode
         delta_rule_decode=cpu_delta_rule.gated_delta_rule,
+        attention=cpu_attention.attention,
     )
     return SelfCheck(fast, plain).ops()
 

@@ -48,6 +48,11 @@ def stable_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return values[..., :k], indices[..., :k]
 
 
+def no_kernel(*args: object, **kwargs: object) -> None:
+    """An op the bundle has no kernel for: None, so the caller runs its own torch path."""
+    return None
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

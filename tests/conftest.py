@@ -65,3 +65,23 @@ def tiny_deepseek_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("models") / "tiny-deepseek_v4"
     make_demo_model(path, family="deepseek_v4", seed=0, size="tiny")
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_laguna_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny laguna (full + sliding-window layers, gated attention, MoE) demo checkpoint."""
+    from keepwarm.engine.demo.demo_model import make_demo_model
+
+    path = tmp_path_factory.mktemp("models") / "tiny-laguna"
+    make_demo_model(path, family="laguna", seed=0, size="tiny")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt_oss_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny gpt_oss (full + sliding-window layers with sinks, MoE) demo checkpoint."""
+    from keepwarm.engine.demo.demo_model import make_demo_model
+
+    path = tmp_path_factory.mktemp("models") / "tiny-gpt_oss"
+    make_demo_model(path, family="gpt_oss", seed=0, size="tiny")
+    return path

@@ -2,10 +2,13 @@
 // the keys/values it sees: a prefill chunk of any length, a decode step and a restore tail
 // compute each row with the same instructions in the same order.
 //
-//   attention(q [T, Hq, D], k [S, Hkv, D], v [S, Hkv, D], scale, window) -> [T, Hq, D]
-//   query t sits at position p = S - T + t and sees keys max(0, p - window + 1) .. p (window
-//   0: all); query head h reads kv head h / (Hq / Hkv). bf16 or fp32 in, same dtype out,
-//   fp32 arithmetic.
+//   attention(q [T, Hq, D], k [S, Hkv, D], v [S, Hkv, D], scale, window, offset,
+//             extra_k [C, Hkv, D], extra_v [C, Hkv, D], extra_mask [T, C] bool, sinks [Hq] fp32)
+//   -> [T, Hq, D]. Key row i sits at absolute position offset + i; query t at position
+//   p = offset + S - T + t and sees keys max(offset, p - window + 1) .. p (window 0: all);
+//   query head h reads kv head h / (Hq / Hkv). Optional extra keys (e.g. compressed rows):
+//   query t also sees extra row c where extra_mask[t, c]. Optional sinks: one extra logit per
+//   query head in the softmax denominator only. bf16 or fp32 in, same dtype out, fp32 arithmetic.
 //
 // The order for one query row (the contract): keys in tiles of 16 at fixed absolute positions
 // (tile j holds keys 16 j .. 16 j + 15, from the first tile the row sees to the tile of p);
@@ -13,7 +16,11 @@
 // `scale`; keys outside the row's range are masked (score -inf, weight exactly 0); online
 // softmax per tile: m' = max(m, tile max), alpha = exp(m - m') (0 on the first tile),
 // l = l * alpha + hsum16(exp(s - m')), o = o * alpha, then o += w_i * v_i for the tile's
-// keys in increasing position (one fused multiply-add per 16 lanes of D); out = o / l.
+// keys in increasing position (one fused multiply-add per 16 lanes of D); then the extra
+// keys in tiles of 16 from extra row 0 (same update, masked by extra_mask; a tile with no
+// visible row is skipped, as is a window tile outside the range); then the sink:
+// m' = max(m, sink), alpha = exp(m - m'), l = l * alpha + exp(sink - m'), o = o * alpha;
+// out = o / l.
 // Rows share loads (8 rows per group) but never accumulators, and threads split heads and
 // row groups, never a row's keys.
 // Compiled with -mavx512f -mavx512bw -mavx512vl -ffp-contract=off.
@@ -42,7 +49,11 @@ constexpr int kRows = 8;   // query rows sharing each key-tile load
 
 struct Shape {
   int64_t T, S, Hq, Hkv, G, D, DV, Spad, window;
+  int64_t shift;  // offset % kTile: staged key i is key row i - shift (tiles at absolute positions)
+  int64_t C, Cpad;  // extra keys (0: none)
   float scale;
+  const uint8_t* mask;  // [T, C] or null
+  const float* sinks;   // [Hq] or null
 };
 
 // r[i] (row i, 16 columns) -> r[j] (column j, 16 rows): unpack pairs, then 4x4 blocks of
@@ -83,25 +94,50 @@ inline __m512 load_row(const c10::BFloat16* p, int n) {
 // Per kv head: KT [D][Spad] (keys transposed, fp32, zero past S) and VF [Spad][DV * 16]
 // (values, fp32, zero-padded), so a tile's scores are D vector FMAs and a key's value row
 // is DV aligned vectors. Staging copies values exactly (bf16 -> fp32 is exact).
+// Staged row i holds key/value row i - shift of `rows` (zero outside); npad staged rows.
 template <typename T>
-void stage_head(const T* k, const T* v, const Shape& s, int64_t h, float* kt, float* vf) {
+void stage_head(const T* k, const T* v, int64_t rows, int64_t shift, int64_t npad, const Shape& s, int64_t h,
+                float* kt, float* vf) {
   const int64_t dp = s.DV * 16, row = s.Hkv * s.D;
-  for (int64_t kb = 0; kb < s.Spad; kb += kTile) {
+  auto present = [&](int64_t i) { return i - shift >= 0 && i - shift < rows; };
+  for (int64_t kb = 0; kb < npad; kb += kTile) {
     for (int64_t d0 = 0; d0 < s.D; d0 += 16) {
       const int n = static_cast<int>(std::min<int64_t>(16, s.D - d0));
       __m512 r[16];
       for (int i = 0; i < 16; ++i)
-        r[i] = kb + i < s.S ? load_row(k + (kb + i) * row + h * s.D + d0, n) : _mm512_setzero_ps();
+        r[i] = present(kb + i) ? load_row(k + (kb + i - shift) * row + h * s.D + d0, n) : _mm512_setzero_ps();
       transpose16(r);
-      for (int j = 0; j < n; ++j) _mm512_storeu_ps(kt + (d0 + j) * s.Spad + kb, r[j]);
+      for (int j = 0; j < n; ++j) _mm512_storeu_ps(kt + (d0 + j) * npad + kb, r[j]);
     }
     for (int64_t i = kb; i < kb + kTile; ++i) {
       for (int64_t d0 = 0; d0 < dp; d0 += 16) {
         const int n = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, s.D - d0)));
-        const __m512 x = i < s.S && n > 0 ? load_row(v + i * row + h * s.D + d0, n) : _mm512_setzero_ps();
+        const __m512 x =
+            present(i) && n > 0 ? load_row(v + (i - shift) * row + h * s.D + d0, n) : _mm512_setzero_ps();
         _mm512_storeu_ps(vf + i * dp + d0, x);
       }
     }
+  }
+}
+
+// One online-softmax update of row state (m, l, o) by a tile: scores sc (masked lanes -inf),
+// `valid` lanes, values vr (staged rows of the tile's first key).
+template <int DV>
+inline void update(float& m, float& l, __m512* o, __m512 sc, __mmask16 valid, const float* vr) {
+  const int64_t dp = DV * 16;
+  const float m_new = std::max(m, _mm512_reduce_max_ps(sc));  // max: exact in any order
+  const __m512 p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(m_new))));
+  const float alpha = std::isinf(m) ? 0.f : _mm512_cvtss_f32(exp512(_mm512_set1_ps(m - m_new)));
+  l = l * alpha + hsum16(p);
+  m = m_new;
+  const __m512 a = _mm512_set1_ps(alpha);
+  for (int dv = 0; dv < DV; ++dv) o[dv] = _mm512_mul_ps(o[dv], a);
+  alignas(64) float w[kTile];
+  _mm512_store_ps(w, p);
+  for (int i = 0; i < kTile; ++i) {
+    if (!((valid >> i) & 1)) continue;
+    const __m512 wi = _mm512_set1_ps(w[i]);
+    for (int dv = 0; dv < DV; ++dv) o[dv] = _mm512_fmadd_ps(wi, _mm512_load_ps(vr + i * dp + dv * 16), o[dv]);
   }
 }
 
@@ -113,9 +149,9 @@ inline void store(c10::BFloat16* p, __m512 v, int n) { keepwarm::store_ps(reinte
 // One group of up to kRows query rows of kv head h: rows r0 .. r1-1 of the flattened
 // (t, g) order, query head h * G + g at position S - T + t.
 template <int DV, typename T>
-void group(const T* q, const float* kt, const float* vf, const Shape& s, int64_t h, int64_t r0, int64_t r1,
-           T* out) {
-  const int64_t nr = r1 - r0, start = s.S - s.T;
+void group(const T* q, const float* kt, const float* vf, const float* xkt, const float* xvf, const Shape& s,
+           int64_t h, int64_t r0, int64_t r1, T* out) {
+  const int64_t nr = r1 - r0, start = s.shift + s.S - s.T;
   alignas(64) float qf[kRows][DV * 16];
   int64_t pos[kRows], first[kRows];
   float m[kRows], l[kRows];
@@ -125,7 +161,7 @@ void group(const T* q, const float* kt, const float* vf, const Shape& s, int64_t
     const T* qr = q + (t * s.Hq + h * s.G + g) * s.D;
     for (int64_t d = 0; d < s.D; ++d) qf[r][d] = static_cast<float>(qr[d]);
     pos[r] = start + t;
-    first[r] = s.window > 0 ? std::max<int64_t>(0, pos[r] - s.window + 1) : 0;
+    first[r] = s.window > 0 ? std::max<int64_t>(s.shift, pos[r] - s.window + 1) : s.shift;
     m[r] = -std::numeric_limits<float>::infinity();
     l[r] = 0.f;
     for (int dv = 0; dv < DV; ++dv) o[r][dv] = _mm512_setzero_ps();
@@ -159,20 +195,42 @@ void group(const T* q, const float* kt, const float* vf, const Shape& s, int64_t
       if (lo > hi) continue;  // this tile is outside the row's range
       const __mmask16 valid = (__mmask16)(((1u << (hi - lo + 1)) - 1) << (lo - kb));
       const __m512 sc = _mm512_mask_mov_ps(neg_inf, valid, _mm512_mul_ps(acc[slot][r], _mm512_set1_ps(s.scale)));
-      const float m_new = std::max(m[r], _mm512_reduce_max_ps(sc));  // max: exact in any order
-      const __m512 p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(m_new))));
+      update<DV>(m[r], l[r], o[r], sc, valid, vf + kb * dp);
+    }
+  }
+  // Extra keys: tiles of 16 from extra row 0, each row masked by its extra_mask bits.
+  for (int64_t cb = 0; cb < s.Cpad; cb += kTile) {
+    __mmask16 valid[kRows];
+    bool any = false;
+    for (int64_t r = 0; r < nr; ++r) {
+      const uint8_t* mr = s.mask + ((r0 + r) / s.G) * s.C;
+      unsigned bits = 0;
+      for (int i = 0; i < kTile && cb + i < s.C; ++i) bits |= (mr[cb + i] ? 1u : 0u) << i;
+      valid[r] = (__mmask16)bits;
+      any = any || bits != 0;
+    }
+    if (!any) continue;
+    for (int r = 0; r < kRows; ++r) acc[0][r] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < s.D; ++d) {
+      const __m512 k0 = _mm512_load_ps(xkt + d * s.Cpad + cb);
+      for (int r = 0; r < kRows; ++r)
+        if (r < nr) acc[0][r] = _mm512_fmadd_ps(_mm512_set1_ps(qf[r][d]), k0, acc[0][r]);
+    }
+    for (int64_t r = 0; r < nr; ++r) {
+      if (valid[r] == 0) continue;
+      const __m512 sc = _mm512_mask_mov_ps(neg_inf, valid[r], _mm512_mul_ps(acc[0][r], _mm512_set1_ps(s.scale)));
+      update<DV>(m[r], l[r], o[r], sc, valid[r], xvf + cb * dp);
+    }
+  }
+  if (s.sinks != nullptr) {
+    for (int64_t r = 0; r < nr; ++r) {
+      const float sink = s.sinks[h * s.G + (r0 + r) % s.G];
+      const float m_new = std::max(m[r], sink);
       const float alpha = std::isinf(m[r]) ? 0.f : first_lane(exp512(_mm512_set1_ps(m[r] - m_new)));
-      l[r] = l[r] * alpha + hsum16(p);
+      l[r] = l[r] * alpha + first_lane(exp512(_mm512_set1_ps(sink - m_new)));
       m[r] = m_new;
       const __m512 a = _mm512_set1_ps(alpha);
       for (int dv = 0; dv < DV; ++dv) o[r][dv] = _mm512_mul_ps(o[r][dv], a);
-      alignas(64) float w[kTile];
-      _mm512_store_ps(w, p);
-      for (int64_t i = lo - kb; i <= hi - kb; ++i) {
-        const __m512 wi = _mm512_set1_ps(w[i]);
-        const float* vr = vf + (kb + i) * dp;
-        for (int dv = 0; dv < DV; ++dv) o[r][dv] = _mm512_fmadd_ps(wi, _mm512_load_ps(vr + dv * 16), o[r][dv]);
-      }
     }
   }
   for (int64_t r = 0; r < nr; ++r) {
@@ -188,7 +246,8 @@ void group(const T* q, const float* kt, const float* vf, const Shape& s, int64_t
 }
 
 template <typename T>
-using GroupFn = void (*)(const T*, const float*, const float*, const Shape&, int64_t, int64_t, int64_t, T*);
+using GroupFn = void (*)(const T*, const float*, const float*, const float*, const float*, const Shape&, int64_t,
+                         int64_t, int64_t, T*);
 
 template <typename T>
 GroupFn<T> group_for(int64_t dv) {
@@ -208,11 +267,23 @@ GroupFn<T> group_for(int64_t dv) {
 }
 
 template <typename T>
-void run(const T* q, const T* k, const T* v, T* out, const Shape& s) {
+void run(const T* q, const T* k, const T* v, const T* xk, const T* xv, T* out, const Shape& s) {
   const GroupFn<T> fn = group_for<T>(s.DV);
   TORCH_CHECK(fn != nullptr, "cpu_attention: head_dim ", s.D, " is not supported");
-  const int64_t kt_stride = s.D * s.Spad, vf_stride = s.Spad * s.DV * 16;
   const int64_t rows = s.T * s.G, groups = (rows + kRows - 1) / kRows;
+  // per head: window keys KT [D][Spad], VF [Spad][dp], then extra keys KT [D][Cpad], VF [Cpad][dp]
+  const int64_t kt_stride = s.D * s.Spad, vf_stride = s.Spad * s.DV * 16;
+  const int64_t x_stride = s.Cpad * (s.D + s.DV * 16), head = kt_stride + vf_stride + x_stride;
+  auto stage = [&](int64_t h, float* base) {
+    stage_head<T>(k, v, s.S, s.shift, s.Spad, s, h, base, base + kt_stride);
+    if (s.Cpad > 0)
+      stage_head<T>(xk, xv, s.C, 0, s.Cpad, s, h, base + kt_stride + vf_stride,
+                    base + kt_stride + vf_stride + s.Cpad * s.D);
+  };
+  auto call = [&](float* base, int64_t h, int64_t r0) {
+    float* x = base + kt_stride + vf_stride;
+    fn(q, base, base + kt_stride, x, x + s.Cpad * s.D, s, h, r0, std::min(rows, r0 + kRows), out);
+  };
   // Staging buffers are reused across calls (a fresh multi-MiB allocation per decode step
   // costs more in page faults than the attention itself); every element read is written.
   auto buffer = [](std::vector<float>& buf, int64_t floats) {
@@ -223,26 +294,24 @@ void run(const T* q, const T* k, const T* v, T* out, const Shape& s) {
     // Whole heads per thread: stage one head and use it at once, while it is in L2.
     at::parallel_for(0, s.Hkv, 1, [&](int64_t h0, int64_t h1) {
       static thread_local std::vector<float> local;
-      float* kt = buffer(local, kt_stride + vf_stride);
-      float* vf = kt + kt_stride;
+      float* base = buffer(local, head);
       for (int64_t h = h0; h < h1; ++h) {
-        stage_head<T>(k, v, s, h, kt, vf);
-        for (int64_t r0 = 0; r0 < rows; r0 += kRows) fn(q, kt, vf, s, h, r0, std::min(rows, r0 + kRows), out);
+        stage(h, base);
+        for (int64_t r0 = 0; r0 < rows; r0 += kRows) call(base, h, r0);
       }
     });
     return;
   }
   // Fewer heads than threads: stage every head, then split heads x row groups.
   static thread_local std::vector<float> shared;
-  float* ktp = buffer(shared, s.Hkv * (kt_stride + vf_stride));
-  float* vfp = ktp + s.Hkv * kt_stride;
+  float* all = buffer(shared, s.Hkv * head);
   at::parallel_for(0, s.Hkv, 1, [&](int64_t h0, int64_t h1) {
-    for (int64_t h = h0; h < h1; ++h) stage_head<T>(k, v, s, h, ktp + h * kt_stride, vfp + h * vf_stride);
+    for (int64_t h = h0; h < h1; ++h) stage(h, all + h * head);
   });
   at::parallel_for(0, s.Hkv * groups, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t h = i / groups, r0 = (i % groups) * kRows;
-      fn(q, ktp + h * kt_stride, vfp + h * vf_stride, s, h, r0, std::min(rows, r0 + kRows), out);
+      call(all + h * head, h, r0);
     }
   });
 }
@@ -267,8 +336,34 @@ bool eligible(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
 
 // attention for q [T, Hq, D] against k, v [S, Hkv, D]; None when not eligible.
 c10::optional<at::Tensor> try_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                        double scale, int64_t window) {
-  if (!eligible(q, k, v)) return c10::nullopt;
+                                        double scale, int64_t window, int64_t offset,
+                                        const c10::optional<at::Tensor>& extra_k,
+                                        const c10::optional<at::Tensor>& extra_v,
+                                        const c10::optional<at::Tensor>& extra_mask,
+                                        const c10::optional<at::Tensor>& sinks) {
+  if (!eligible(q, k, v) || offset < 0 || window < 0) return c10::nullopt;
+  const bool has_extra = extra_k.has_value() && extra_k->defined();
+  if (has_extra != (extra_v.has_value() && extra_v->defined()) ||
+      has_extra != (extra_mask.has_value() && extra_mask->defined()))
+    return c10::nullopt;
+  at::Tensor xkc, xvc, maskc, sinkc;
+  if (has_extra) {
+    const at::Tensor &xk = *extra_k, &xv = *extra_v, &mk = *extra_mask;
+    if (xk.scalar_type() != q.scalar_type() || xv.scalar_type() != q.scalar_type() || !xk.device().is_cpu() ||
+        !xv.device().is_cpu() || !mk.device().is_cpu() || xk.dim() != 3 || xk.sizes() != xv.sizes() ||
+        xk.size(1) != k.size(1) || xk.size(2) != k.size(2) || mk.scalar_type() != at::kBool || mk.dim() != 2 ||
+        mk.size(0) != q.size(0) || mk.size(1) != xk.size(0))
+      return c10::nullopt;
+    xkc = xk.contiguous();
+    xvc = xv.contiguous();
+    maskc = mk.contiguous();
+  }
+  if (sinks.has_value() && sinks->defined()) {
+    if (sinks->scalar_type() != at::kFloat || !sinks->device().is_cpu() || sinks->dim() != 1 ||
+        sinks->size(0) != q.size(1))
+      return c10::nullopt;
+    sinkc = sinks->contiguous();
+  }
   const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
   Shape s;
   s.T = q.size(0);
@@ -278,17 +373,26 @@ c10::optional<at::Tensor> try_attention(const at::Tensor& q, const at::Tensor& k
   s.G = s.Hq / s.Hkv;
   s.D = q.size(2);
   s.DV = padded_dv(s.D);
-  s.Spad = (s.S + kTile - 1) / kTile * kTile;
+  s.shift = offset % kTile;
+  s.Spad = (s.shift + s.S + kTile - 1) / kTile * kTile;
   s.window = window;
+  s.C = has_extra ? xkc.size(0) : 0;
+  s.Cpad = (s.C + kTile - 1) / kTile * kTile;
   s.scale = static_cast<float>(scale);
+  s.mask = has_extra ? reinterpret_cast<const uint8_t*>(maskc.data_ptr<bool>()) : nullptr;
+  s.sinks = sinkc.defined() ? sinkc.data_ptr<float>() : nullptr;
   at::Tensor out = at::empty(q.sizes(), q.options());
   if (q.scalar_type() == at::kFloat) {
-    run<float>(qc.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), out.data_ptr<float>(), s);
+    run<float>(qc.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(),
+               has_extra ? xkc.data_ptr<float>() : nullptr, has_extra ? xvc.data_ptr<float>() : nullptr,
+               out.data_ptr<float>(), s);
   } else {
     using B = c10::BFloat16;
     run<B>(reinterpret_cast<const B*>(qc.data_ptr<at::BFloat16>()),
            reinterpret_cast<const B*>(kc.data_ptr<at::BFloat16>()),
            reinterpret_cast<const B*>(vc.data_ptr<at::BFloat16>()),
+           has_extra ? reinterpret_cast<const B*>(xkc.data_ptr<at::BFloat16>()) : nullptr,
+           has_extra ? reinterpret_cast<const B*>(xvc.data_ptr<at::BFloat16>()) : nullptr,
            reinterpret_cast<B*>(out.data_ptr<at::BFloat16>()), s);
   }
   return out;
@@ -299,5 +403,7 @@ c10::optional<at::Tensor> try_attention(const at::Tensor& q, const at::Tensor& k
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("eligible", &eligible, py::arg("q"), py::arg("k"), py::arg("v"));
   m.def("try_attention", &try_attention, "causal attention, invariant per query row, or None", py::arg("q"),
-        py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("window") = 0);
+        py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("window") = 0, py::arg("offset") = 0,
+        py::arg("extra_k") = py::none(), py::arg("extra_v") = py::none(), py::arg("extra_mask") = py::none(),
+        py::arg("sinks") = py::none());
 }

@@ -710,7 +710,7 @@ def create_app(config: GatewayConfig) -> Litestar:
     async def health() -> dict[str, Any]:
         redis_ok = bool(await gw.redis_do(gw.redis.ping(), "health ping"))
         engines = gw.pool.status()
-        ok = all(e["healthy"] for e in engines) and redis_ok
+        ok = bool(engines) and all(e["healthy"] for e in engines) and redis_ok  # none resolved: degraded
         return {
             "status": "ok" if ok else "degraded",
             "engines": engines,

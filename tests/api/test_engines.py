@@ -59,7 +59,7 @@ async def test_load_orders_engines_and_ties_follow_the_affinity_hash(engine: Pro
     async with httpx.AsyncClient(headers=ENGINE_AUTH, timeout=60) as client:
         pool = EnginePool([one, two], client, interval_s=60)
         await pool.probe_all()
-        by_hash = {a: sorted([one, two], key=lambda u, a=a: rank(u, a)) for a in ("s1", "s2", "s3", "s4")}
+        by_hash = {a: sorted([one, two], key=lambda u, a=a: rank(u, a)) for a in (f"s{i}" for i in range(24))}
         assert len({tuple(v) for v in by_hash.values()}) == 2  # both orders occur: ties really are hashed
         # A request this gateway opened counts until it ends: the other engine goes first for every key.
         ticket = pool.begin(one)

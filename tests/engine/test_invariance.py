@@ -4,7 +4,9 @@ composition, in prefill chunks of 1, 7, 64 or the default size, and after a snap
 random position restored from RAM or (in a fresh process) from disk; 32 greedy tokens follow
 identically. A control with invariance off detects a difference, so these tests can fail.
 
-Every family through its tiny demo model (dense qwen3, hybrid qwen3_5), float32 and bfloat16."""
+Every family through its tiny demo model (dense qwen3, hybrid qwen3_5, deepseek_v4: sliding
+window with sinks, CSA/HCA compressed rows, mHC; laguna and gpt_oss: full + sliding-window
+layers in a ring cache, gpt_oss with sinks, MoE), float32 and bfloat16."""
 
 from __future__ import annotations
 
@@ -76,7 +78,13 @@ def _greedy(backend: Backend, state: State, n: int = GREEDY) -> tuple[list[int],
     return toks, torch.stack(logits[:-1])
 
 
-FAMILIES = {"dense": "tiny_dense_model", "hybrid": "tiny_hybrid_model"}
+FAMILIES = {
+    "dense": "tiny_dense_model",
+    "hybrid": "tiny_hybrid_model",
+    "deepseek_v4": "tiny_deepseek_model",
+    "laguna": "tiny_laguna_model",
+    "gpt_oss": "tiny_gpt_oss_model",
+}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

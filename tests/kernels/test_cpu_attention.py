@@ -60,6 +60,60 @@ def test_sliding_window_rows_see_the_last_w_keys(dtype: torch.dtype) -> None:
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(4, 1, 32), (8, 2, 64), (2, 1, 100)])
+def test_offset_window_extra_keys_and_sinks_match_the_reference_and_any_chunking(
+    dtype: torch.dtype, hq: int, hkv: int, d: int
+) -> None:
+    """Sliding window over kept rows (offset), compressed extra keys with a per-query mask and
+    sinks, as DeepSeek V4 and gpt-oss call it: close to the torch reference, and each row the
+    same bits whether the keys start at 0 or at any later kept row, and whatever else is in the call."""
+    s, w, c = 90, 21, 37
+    q, k, v = _qkv(s, hq, hkv, d, dtype, seed=d + 1)
+    xk, xv, _ = _qkv(c, hkv, hkv, d, dtype, seed=d + 2)
+    g = torch.Generator().manual_seed(d)
+    mask = torch.rand(s, c, generator=g) < 0.4
+    mask[:, 30:] = False  # rows no query sees: a fully masked tile
+    sinks = torch.randn(hq, generator=g)
+    scale = d**-0.5
+    args = dict(window=w, extra_k=xk, extra_v=xv, extra_mask=mask, sinks=sinks)
+    full = cpu_attention.attention(q, k, v, scale, **args)
+    assert full is not None
+    ref = cpu_attention.attention_reference(q, k, v, scale, **args)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(full.float(), ref.float(), rtol=tol, atol=tol)
+    no_sink = cpu_attention.attention(q, k, v, scale, window=w, extra_k=xk, extra_v=xv, extra_mask=mask)
+    assert no_sink is not None and not torch.equal(no_sink, full)  # the sinks take weight
+    for a, b in ((0, 1), (0, 7), (7, 30), (29, 30), (30, 64), (64, 90), (89, 90)):
+        lo = max(0, a - w + 1)  # keep only the rows the window needs, as a sliding cache does
+        n = c - a % 5  # fewer extra rows exist earlier on; the dropped ones are masked for all
+        for keys_from in (0, lo):
+            out = cpu_attention.attention(
+                q[a:b], k[keys_from:b], v[keys_from:b], scale, window=w, offset=keys_from,
+                extra_k=xk[:n], extra_v=xv[:n], extra_mask=mask[a:b, :n], sinks=sinks,
+            )  # fmt: skip
+            assert out is not None and torch.equal(out, full[a:b]), (a, b, keys_from)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 5, 40])
+def test_window_and_sinks_agree_with_the_sliding_families_reference(
+    dtype: torch.dtype, window: int | None
+) -> None:
+    """The kernel's sinks and window are gpt-oss's (kernels/sliding_attention.torch_prefill)."""
+    from keepwarm.kernels import sliding_attention
+
+    q, k, v = _qkv(45, 8, 2, 64, dtype, seed=9)
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(9))
+    got = cpu_attention.attention(q[20:], k, v, 0.125, window=window or 0, sinks=sinks)
+    ref = sliding_attention.torch_prefill(q[20:], k, v, 0.125, window, sinks)
+    assert got is not None
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dim", [16, 37, 64, 1024, 3077])
 def test_rms_norm_and_silu_mul_rows_are_independent_of_the_batch(dtype: torch.dtype, dim: int) -> None:
     g = torch.Generator().manual_seed(dim)

@@ -132,8 +132,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (weight * xf).to(x.dtype)
 
 
-def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+def unweighted_rms_norm(x: torch.Tensor, eps: float, ops: Ops) -> torch.Tensor:
+    """x [..., D] * rsqrt(mean(x^2) + eps) rounded to x's dtype (as transformers). The sum of
+    squares goes through ops.linear against a ones row: one reduction order per row in the
+    invariant bundle, so a row's bits do not depend on how many rows are in the call."""
+    ones = torch.ones((1, x.shape[-1]), dtype=torch.float32, device=x.device)
+    mean_sq = ops.linear(x.float().square(), ones) / x.shape[-1]  # [..., 1]
+    return x * torch.rsqrt(mean_sq + eps).to(x.dtype)
 
 
 def _rotate_pairs(x: torch.Tensor) -> torch.Tensor:
@@ -181,7 +186,7 @@ def _hc_weights(
     Every reduction is row-local in a fixed order (ops.linear, _sum), so a token's weights do
     not depend on T."""
     t, n = streams.shape[0], cfg.hc_mult
-    flat = unweighted_rms_norm(streams.reshape(t, -1).float(), cfg.rms_norm_eps)
+    flat = unweighted_rms_norm(streams.reshape(t, -1).float(), cfg.rms_norm_eps, ops)
     mixes = ops.linear(flat, hc.fn)
     pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
     pre_b, post_b, comb_b = hc.base.split([n, n, n * n])
@@ -405,7 +410,7 @@ class DeepseekV4Backend:
     def _hc_head(self, streams: torch.Tensor) -> torch.Tensor:
         """Collapse the streams [T, n, hidden] into one [T, hidden] with sigmoid weights."""
         hc = self.hc_head
-        flat = unweighted_rms_norm(streams.flatten(1).float(), self.cfg.rms_norm_eps)
+        flat = unweighted_rms_norm(streams.flatten(1).float(), self.cfg.rms_norm_eps, self.ops)
         pre = self.ops.sigmoid(self.ops.linear(flat, hc.fn) * hc.scale + hc.base) + self.cfg.hc_eps
         return _sum(pre.unsqueeze(-1) * streams, 1).squeeze(1).to(streams.dtype)
 
@@ -424,7 +429,8 @@ class DeepseekV4Backend:
         t, dev = h.shape[0], h.device
         cos, sin = cos_sin["main" if layer.kind == SLIDING else "compress"]
         q_res = self.ops.rms_norm_1p(linear(h, layer.q_a), layer.q_a_norm, c.rms_norm_eps)  # [T, q_lora_rank]
-        q = unweighted_rms_norm(linear(q_res, layer.q_b).view(t, c.num_heads, c.head_dim), c.rms_norm_eps)
+        q = linear(q_res, layer.q_b).view(t, c.num_heads, c.head_dim)
+        q = unweighted_rms_norm(q, c.rms_norm_eps, self.ops)
         q = apply_rope(q, cos, sin)  # [T, H, d]
         kv = apply_rope(self.ops.rms_norm_1p(linear(h, layer.kv), layer.kv_norm, c.rms_norm_eps), cos, sin)
         comp, idx = layer.compressor, layer.indexer
@@ -478,10 +484,21 @@ class DeepseekV4Backend:
     ) -> torch.Tensor:
         """Eager attention with sinks, one sequence. q [T, H, d]; full [S0 + T, d] window rows
         then this chunk's rows (row 0 at position start - S0); comp_rows [C, d] with comp_bias
-        [T, C] (0 or -inf). Query blocks keep scores at [H, block, W - 1 + block + C]."""
+        [T, C] (0 or -inf). Query blocks keep scores at [H, block, W - 1 + block + C].
+        The invariant kernel (ops.attention) when the bundle has one: key tiles at absolute
+        positions, compressed rows after them, the sink last, so a row's bits do not depend on
+        the chunk; else torch."""
         w = self.cfg.sliding_window
         t, dev = q.shape[0], q.device
         base = start + t - full.shape[0]
+        kv = full.unsqueeze(1)  # [S0 + T, 1, d]: K = V, one kv head
+        extra = {}
+        if comp_rows is not None and comp_bias is not None and comp_rows.shape[0] > 0:
+            rows = comp_rows.unsqueeze(1)
+            extra = dict(extra_k=rows, extra_v=rows, extra_mask=comp_bias == 0)
+        fast = self.ops.attention(q, kv, kv, self.scale, window=w, offset=base, sinks=layer.sinks, **extra)
+        if fast is not None:
+            return fast
         out = torch.empty_like(q)
         for a in range(0, t, _QUERY_BLOCK):
             b = min(t, a + _QUERY_BLOCK)

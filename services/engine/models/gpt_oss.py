@@ -160,10 +160,13 @@ class _Layer:
     down_bias: torch.Tensor  # [E, hidden]
 
 
-def rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """GptOssRMSNorm: (weight * normalized) in float32, then cast back (not Llama's order)."""
+def rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float, ops: Ops) -> torch.Tensor:
+    """GptOssRMSNorm: (weight * normalized) in float32, then cast back (not Llama's order).
+    The sum of squares goes through ops.linear against a ones row: one reduction order per
+    row in the invariant bundle, whatever the row count."""
     xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    ones = torch.ones((1, xf.shape[-1]), dtype=torch.float32, device=xf.device)
+    xf = xf * torch.rsqrt(ops.linear(xf.square(), ones) / xf.shape[-1] + eps)
     return (weight * xf).to(x.dtype)
 
 
@@ -204,34 +207,37 @@ class GptOssBackend(SlidingKvBackend):
             dev = self.placement.device_of(i)
             if x.device != dev:  # a stage boundary: the hidden state and positions move on
                 x, cos, sin = x.to(dev), cos.to(dev), sin.to(dev)
-            h = rms_norm_f32(x, layer.input_norm, c.rms_norm_eps)
+            h = rms_norm_f32(x, layer.input_norm, c.rms_norm_eps, ops)
             q, k, v = ops.linear(h, layer.w_qkv, layer.b_qkv).split([q_size, kv_size, kv_size], dim=-1)
             q = ops.rotary(q.reshape(n, c.num_heads, d), cos, sin)
             k = ops.rotary(k.reshape(n, c.num_kv_heads, d), cos, sin)
             v = v.reshape(n, c.num_kv_heads, d).contiguous()
             out = batch.attend(i, q, k, v, self.scale, layer.sinks)  # [N, Hq, D]
             x = x + ops.linear(out.reshape(n, q_size), layer.w_o, layer.b_o)
-            x = x + self._moe(layer, rms_norm_f32(x, layer.post_norm, c.rms_norm_eps))
+            x = x + self._moe(layer, rms_norm_f32(x, layer.post_norm, c.rms_norm_eps, ops))
         return x
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(rms_norm_f32(h, self.final_norm, self.cfg.rms_norm_eps), self.lm_head).float()
+        h = rms_norm_f32(h, self.final_norm, self.cfg.rms_norm_eps, self.ops)
+        return self.ops.linear(h, self.lm_head).float()
 
     def _moe(self, w: _Layer, h: torch.Tensor) -> torch.Tensor:
-        """h [N, hidden] (every token of every sequence) -> [N, hidden], as GptOssMLP."""
-        c = self.cfg
-        logits = F.linear(h, w.router, w.router_bias)  # [N, E]
-        top_v, top_i = torch.topk(logits, c.num_experts_per_tok, dim=-1)
-        top_w = torch.softmax(top_v, dim=1, dtype=top_v.dtype)
+        """h [N, hidden] (every token of every sequence) -> [N, hidden], as GptOssMLP. Router
+        and experts through ops.linear, router ties to the lowest expert (ops.topk), each token's
+        experts added in ascending order: a token's bits do not depend on its neighbours."""
+        c, ops = self.cfg, self.ops
+        logits = ops.linear(h, w.router, w.router_bias)  # [N, E]
+        top_v, top_i = ops.topk(logits, c.num_experts_per_tok)
+        top_w = ops.softmax(top_v, 1).to(top_v.dtype)
         out = torch.zeros_like(h)
         lim = c.swiglu_limit
         for e in top_i.unique().tolist():  # only the experts some token routed to, ascending
             tok, slot = torch.where(top_i == e)
-            gate, up = F.linear(h[tok], w.gate_up[e], w.gate_up_bias[e]).chunk(2, dim=-1)
+            gate, up = ops.linear(h[tok], w.gate_up[e], w.gate_up_bias[e]).chunk(2, dim=-1)
             gate = gate.clamp(max=lim)
             up = up.clamp(min=-lim, max=lim)
-            act = (up + 1) * (gate * torch.sigmoid(gate * c.swiglu_alpha))
-            y = F.linear(act, w.down[e], w.down_bias[e]) * top_w[tok, slot, None]
+            act = (up + 1) * (gate * ops.sigmoid(gate * c.swiglu_alpha))
+            y = ops.linear(act, w.down[e], w.down_bias[e]) * top_w[tok, slot, None]
             out.index_add_(0, tok, y.to(out.dtype))
         return out
 

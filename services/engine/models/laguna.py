@@ -241,7 +241,7 @@ class LagunaBackend(SlidingKvBackend):
             q = torch.cat([ops.rotary(q[..., :r], cos, sin), q[..., r:]], dim=-1)
             k = torch.cat([ops.rotary(k[..., :r], cos, sin), k[..., r:]], dim=-1)
             out = batch.attend(i, q, k, v.reshape(n, hkv, d).contiguous(), self.scale)  # [N, Hq, D]
-            gate = F.softplus(g.float()).to(out.dtype)
+            gate = ops.softplus(g.float()).to(out.dtype)  # row-local (torch's tail path differs)
             if c.gate_per_head:
                 out = out * gate.unsqueeze(-1)
             else:
@@ -258,23 +258,23 @@ class LagunaBackend(SlidingKvBackend):
 
     def _mlp(self, w: _Mlp, h: torch.Tensor) -> torch.Tensor:
         gate, up = self.ops.linear(h, w.w_gate_up).chunk(2, dim=-1)
-        return self.ops.linear(F.silu(gate) * up, w.w_down)
+        return self.ops.linear(self.ops.silu_mul(gate, up), w.w_down)
 
     def _moe(self, w: _Moe, h: torch.Tensor) -> torch.Tensor:
         """h [N, hidden] (every token of every sequence) -> [N, hidden], as LagunaSparseMoeBlock."""
-        c = self.cfg
-        logits = F.linear(h, w.router).float()  # [N, E]
+        c, ops = self.cfg, self.ops  # ops.linear / ops.topk: a token's bits do not depend on its neighbours
+        logits = ops.linear(h, w.router).float()  # [N, E]
         if c.router_softcap > 0.0:
             logits = torch.tanh(logits / c.router_softcap) * c.router_softcap
-        scores = torch.sigmoid(logits)
-        _, top_i = torch.topk(scores + w.select_bias, c.num_experts_per_tok, dim=-1)  # [N, k]
+        scores = ops.sigmoid(logits)
+        _, top_i = ops.topk(scores + w.select_bias, c.num_experts_per_tok)  # [N, k]; ties to the lowest id
         top_w = scores.gather(-1, top_i)
         top_w = (top_w / top_w.sum(dim=-1, keepdim=True)).to(h.dtype)
         routed = torch.zeros_like(h)
         for e in top_i.unique().tolist():  # only the experts some token routed to, ascending
             tok, slot = torch.where(top_i == e)
-            gate, up = F.linear(h[tok], w.gate_up[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, w.down[e]) * top_w[tok, slot, None]
+            gate, up = ops.linear(h[tok], w.gate_up[e]).chunk(2, dim=-1)
+            y = ops.linear(ops.silu_mul(gate, up), w.down[e]) * top_w[tok, slot, None]
             routed.index_add_(0, tok, y.to(routed.dtype))
         return routed * c.routed_scaling + self._mlp(w.shared, h)
 

@@ -31,6 +31,7 @@ from keepwarm.engine.loading.checkpoint import CheckpointError
 from keepwarm.engine.models.backend import State
 from keepwarm.engine.models.placement import Placement
 from keepwarm.engine.models.rope import Rope
+from keepwarm.kernels.ops import Ops
 from keepwarm.kernels.sliding_attention import SlidingAttentionOps
 
 FULL = "full_attention"
@@ -146,7 +147,10 @@ class Batch:
     ) -> torch.Tensor:
         """Layer i's attention for every token: q [N, Hq, D], this step's k, v [N, Hkv, D]
         (written into each sequence's cache) -> [N, Hq, D]. Per sequence; decode (one token)
-        reads the cache in place, a chunk attends [earlier rows it can see | its own rows]."""
+        reads the cache in place, a chunk attends [earlier rows it can see | its own rows].
+        With the invariant bundle (ops.attention not None), decode and chunks alike run the
+        kernel over the rows in absolute order (key tiles at absolute positions), so a row's
+        bits do not depend on the chunking."""
         b = self.backend
         window = b.layout.window if b.layout.layer_types[i] == SLIDING else None
         attn = b.attention
@@ -155,6 +159,10 @@ class Batch:
             qs, ks, vs = q[o : o + n], k[o : o + n], v[o : o + n]
             k_buf, v_buf = st.tensors[f"layers.{i}.k"], st.tensors[f"layers.{i}.v"]
             end = start + n
+            fast = self._invariant(b.ops, qs, ks, vs, k_buf, v_buf, start, window, scale, sinks)
+            if fast is not None:
+                outs.append(fast)
+                continue
             if window is None:
                 k_buf[start:end] = ks
                 v_buf[start:end] = vs
@@ -183,12 +191,47 @@ class Batch:
             v_buf.index_copy_(0, slots, vs[n - keep :])
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
+    @staticmethod
+    def _invariant(
+        ops: Ops,
+        qs: torch.Tensor,
+        ks: torch.Tensor,
+        vs: torch.Tensor,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+        start: int,
+        window: int | None,
+        scale: float,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """One sequence's attention through ops.attention, writing its rows into the cache;
+        None where the bundle has no kernel for these inputs (a ring is then untouched; a full
+        layer's rows are written, as the torch path writes them again)."""
+        n, end = qs.shape[0], start + qs.shape[0]
+        if window is None:  # keys 0 .. end - 1: the rows written first (the torch path writes the same)
+            k_buf[start:end] = ks
+            v_buf[start:end] = vs
+            return ops.attention(qs, k_buf[:end], v_buf[:end], scale, sinks=sinks)
+        r = k_buf.shape[0]
+        prev = min(start, window - 1)  # earlier rows the chunk's first query can see
+        idx = torch.arange(start - prev, start, device=k_buf.device) % r
+        kc = torch.cat([k_buf.index_select(0, idx), ks])
+        vc = torch.cat([v_buf.index_select(0, idx), vs])
+        out = ops.attention(qs, kc, vc, scale, window=window, offset=start - prev, sinks=sinks)
+        if out is not None:
+            keep = min(n, r)  # only the last R rows of the chunk survive in the ring
+            slots = torch.arange(end - keep, end, device=k_buf.device) % r
+            k_buf.index_copy_(0, slots, ks[n - keep :])
+            v_buf.index_copy_(0, slots, vs[n - keep :])
+        return out
+
 
 class SlidingKvBackend:
     """The Backend contract (models/backend.py) for full + sliding attention families, minus
     the family's math (`_hidden`, `_logits`)."""
 
     family: str
+    ops: Ops  # set by the family
 
     def __init__(
         self,
