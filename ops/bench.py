@@ -407,7 +407,18 @@ def _two_engines_tok_s(model: Path, dtype: str, streams: int, reply: int) -> flo
     ]
     for p in procs:
         p.start()
-    rates = [out.get(timeout=1800) for _ in procs]
+    import queue
+
+    rates: list[float] = []
+    while len(rates) < len(procs):
+        try:
+            rates.append(out.get(timeout=5))
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"an engine process of the 2-engine figure failed (exit {dead})") from None
     for p in procs:
         p.join()
     return float(sum(rates))
