@@ -221,7 +221,9 @@ def _req(msgs: list[dict[str, str]], max_tokens: int = 16) -> Any:
     )
 
 
-def bench_cache(model: Path, dtype: str, prompt_tokens: int, threads: int) -> dict[str, Any]:
+def bench_cache(
+    model: Path, dtype: str, prompt_tokens: int, threads: int, deterministic: bool = True
+) -> dict[str, Any]:
     from keepwarm.engine.config import EngineConfig
     from keepwarm.engine.engine import Engine
 
@@ -236,6 +238,7 @@ def bench_cache(model: Path, dtype: str, prompt_tokens: int, threads: int) -> di
             max_context=prompt_tokens + 64,
             min_tokens=16,
             fsync=True,
+            deterministic=deterministic,
         ).validate()
         engine = Engine(cfg)
         try:
@@ -265,6 +268,7 @@ def bench_cache(model: Path, dtype: str, prompt_tokens: int, threads: int) -> di
     return {
         "model": str(model),
         "dtype": dtype,
+        "deterministic": deterministic,
         "prompt_tokens": n,
         "cold_ttft_s": cold.timings.ttft_ms / 1000,
         "warm_memory_ttft_s": warm_mem.timings.ttft_ms / 1000,
@@ -290,7 +294,9 @@ def _percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))]
 
 
-def _serve_engine(model: Path, dtype: str, threads: int, cache_dir: Path | None, max_seqs: int) -> Any:
+def _serve_engine(
+    model: Path, dtype: str, threads: int, cache_dir: Path | None, max_seqs: int, deterministic: bool = True
+) -> Any:
     from keepwarm.engine.config import EngineConfig
     from keepwarm.engine.engine import Engine
 
@@ -304,6 +310,7 @@ def _serve_engine(model: Path, dtype: str, threads: int, cache_dir: Path | None,
         max_seqs=max_seqs,
         queue_size=64,
         fsync=False,
+        deterministic=deterministic,
     ).validate()
     return Engine(cfg)
 
@@ -425,10 +432,15 @@ def _two_engines_tok_s(model: Path, dtype: str, streams: int, reply: int) -> flo
 
 
 def bench_serve(
-    model: Path, dtype: str, threads: int, reply_tokens: int, system_tokens: int
+    model: Path, dtype: str, threads: int, reply_tokens: int, system_tokens: int, deterministic: bool = True
 ) -> dict[str, Any]:
-    out: dict[str, Any] = {"model": str(model), "dtype": dtype, "threads": threads}
-    engine = _serve_engine(model, dtype, threads, None, max_seqs=8)
+    out: dict[str, Any] = {
+        "model": str(model),
+        "dtype": dtype,
+        "threads": threads,
+        "deterministic": deterministic,
+    }
+    engine = _serve_engine(model, dtype, threads, None, max_seqs=8, deterministic=deterministic)
     try:
         _decode_tok_s(engine, 1, 32, 4)  # warm-up
         for n in (1, 4, 8):
@@ -440,7 +452,9 @@ def bench_serve(
     for policy in ("full", "off"):
         for users in (1, 8) if policy == "full" else (8,):
             with tempfile.TemporaryDirectory(prefix="keepwarm-bench-") as tmp:
-                engine = _serve_engine(model, dtype, threads, Path(tmp), max_seqs=8)
+                engine = _serve_engine(
+                    model, dtype, threads, Path(tmp), max_seqs=8, deterministic=deterministic
+                )
                 try:
                     ttfts = _chat_ttfts(engine, users, 4, system, policy, 32)
                 finally:
@@ -465,6 +479,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None, help="write the result here too")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--deterministic",
+        choices=["true", "false"],
+        default="true",
+        help="cache, serve: the invariant kernels on (the default) or off, to measure their cost",
+    )
     p.add_argument("--prompt-tokens", type=int, default=2048)
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--chunk", type=int, default=2048)
@@ -482,9 +502,11 @@ def main(argv: list[str] | None = None) -> int:
             a.model, DTYPES[a.dtype], a.prompt_tokens, a.decode_tokens, a.chunk, not a.no_reference
         )
     elif a.what == "cache":
-        result = bench_cache(a.model, a.dtype, a.prompt_tokens, a.threads)
+        result = bench_cache(a.model, a.dtype, a.prompt_tokens, a.threads, a.deterministic == "true")
     else:
-        result = bench_serve(a.model, a.dtype, a.threads, a.reply_tokens, a.system_tokens)
+        result = bench_serve(
+            a.model, a.dtype, a.threads, a.reply_tokens, a.system_tokens, a.deterministic == "true"
+        )
     text = json.dumps(result, indent=2)
     print(text)
     if a.json is not None:

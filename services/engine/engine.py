@@ -101,7 +101,7 @@ class Engine:
         self.tokenizer = Tokenizer.from_dir(cfg.model)
         self.template = ChatTemplate.from_dir(cfg.model, self.tokenizer)
         self.backend = build_backend(
-            self.ckpt, self.placement, cfg.torch_dtype, self.placement.ops(cfg.use_triton)
+            self.ckpt, self.placement, cfg.torch_dtype, self.placement.ops(cfg.use_triton, cfg.deterministic)
         )
         self.runner = Runner(self.backend)
         fingerprint_cache = cfg.cache_dir / "fingerprints.json" if cfg.cache_dir else None

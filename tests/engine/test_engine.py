@@ -260,3 +260,14 @@ def test_a_miss_against_the_session_hint_reports_where_it_diverged(
         assert miss.cached_tokens <= want
     finally:
         engine.close()
+
+
+def test_deterministic_switch_picks_the_kernels(tiny_dense_model: Path) -> None:
+    on = Engine(_cfg(tiny_dense_model, None))
+    off = Engine(_cfg(tiny_dense_model, None, deterministic=False))
+    try:
+        assert on.backend.ops.name == "cpu_invariant"
+        assert off.backend.ops.name != "cpu_invariant"
+    finally:
+        on.close()
+        off.close()

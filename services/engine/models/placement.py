@@ -200,10 +200,11 @@ class Placement:
         return ",".join(str(s) for s in self.stages)
 
     # -- kernels per device --------------------------------------------------------
-    def ops(self, use_triton: bool | None = None) -> Ops:
+    def ops(self, use_triton: bool | None = None, deterministic: bool = True) -> Ops:
         """The hot ops for every stage: one device kind's bundle, or one that picks by the
-        device of each call's first tensor (a GPU stage and a CPU stage)."""
-        return self.per_device(lambda d: ops_for(d, use_triton))
+        device of each call's first tensor (a GPU stage and a CPU stage). `deterministic`:
+        the batch- and chunk-invariant CPU kernels (kernels/ops.py)."""
+        return self.per_device(lambda d: ops_for(d, use_triton, invariant=deterministic))
 
     def sliding_attention(self, use_triton: bool | None = None) -> SlidingAttentionOps:
         return self.per_device(lambda d: sliding_attention_for(d, use_triton))
