@@ -248,13 +248,17 @@ def test_openai_client_n_logprobs_and_json(client: openai.OpenAI) -> None:
     b = client.chat.completions.create(n=3, seed=9, temperature=0.9, **kw)
     assert [c.index for c in a.choices] == [0, 1, 2]
     assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
-    assert a.usage.completion_tokens == sum(len(c.logprobs.content) for c in a.choices)  # every choice counted
+    assert a.usage.completion_tokens == sum(
+        len(c.logprobs.content) for c in a.choices
+    )  # every choice counted
     greedy = client.chat.completions.create(logprobs=True, top_logprobs=3, temperature=0, **kw)
     content = greedy.choices[0].logprobs.content
     assert len(content) == greedy.usage.completion_tokens
     for entry in content:  # greedy picks the most likely token; log probabilities are <= 0, best first
         assert entry.top_logprobs[0].logprob == entry.logprob <= 0
-        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+        assert [t.logprob for t in entry.top_logprobs] == sorted(
+            (t.logprob for t in entry.top_logprobs), reverse=True
+        )
     streamed = list(client.chat.completions.create(n=2, seed=3, temperature=1.0, stream=True, **kw))
     assert {c.choices[0].index for c in streamed if c.choices} == {0, 1}
     j = client.chat.completions.create(response_format={"type": "json_object"}, temperature=1.0, seed=1,
