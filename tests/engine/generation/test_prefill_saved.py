@@ -10,7 +10,9 @@ from keepwarm.engine.engine import Engine
 from tests.engine.test_engine import SYSTEM, USER_TURNS, _cfg, _req
 
 
-def test_a_restarted_engine_reports_prefill_saved_on_disk_hits(tiny_dense_model: Path, tmp_path: Path) -> None:
+def test_a_restarted_engine_reports_prefill_saved_on_disk_hits(
+    tiny_dense_model: Path, tmp_path: Path
+) -> None:
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER_TURNS[0]}]
     first = Engine(_cfg(tiny_dense_model, tmp_path / "cache"))
     try:

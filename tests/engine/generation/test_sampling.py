@@ -47,7 +47,9 @@ def test_bad_params_name_the_field(kw: dict[str, object], field: str) -> None:
 
 def test_penalties_and_bias_follow_their_definitions() -> None:
     logits = torch.tensor([2.0, 1.0, -1.0, 0.5, 0.0])
-    rules = LogitsRules(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0, logit_bias=((4, 3.0),))
+    rules = LogitsRules(
+        presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0, logit_bias=((4, 3.0),)
+    )
     s = Sampler(SamplingParams(), rules)
     got = s._apply_rules(logits.clone(), prompt=[2], reply=[0, 0, 3])
     # token 0: twice in the reply: 2 - 0.25*2 - 0.5 = 1.0, then seen -> 1.0 / 2
@@ -64,7 +66,9 @@ def test_logprobs_come_from_the_unmodified_logits() -> None:
     lp = torch.log_softmax(logits.float(), dim=-1)
     assert pick.token == 7 and pick.logprob == float(lp[7])
     top = torch.topk(lp, 3)
-    assert pick.top_logprobs == tuple((int(i), float(v)) for i, v in zip(top.indices, top.values, strict=True))
+    assert pick.top_logprobs == tuple(
+        (int(i), float(v)) for i, v in zip(top.indices, top.values, strict=True)
+    )
 
 
 def test_choices_draw_from_their_own_seeded_generators() -> None:
