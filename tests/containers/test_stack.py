@@ -198,6 +198,24 @@ def test_zero_config_stack_caches_and_restores_from_disk(stack: Compose) -> None
     tokens4, source4 = cached(turn4)
     assert source4 == "disk" and tokens4 > 0, turn4["usage"]
 
+    # `--scale engine=2`: the gateway finds both replicas through the compose DNS name (one
+    # token, one demo model on the shared volumes), and a session still restores from disk.
+    compose.run("up", "-d", "--scale", "engine=2")
+    gateway = f"http://127.0.0.1:{compose.env['KEEPWARM_API_HOST_PORT']}/health"
+    deadline = time.monotonic() + 600
+    while True:
+        engines = [e for e in (http_json(gateway)[1] or {}).get("engines", []) if e.get("healthy")]
+        if len(engines) == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert len(engines) == 2, http_json(gateway)
+    assert len([r for r in compose.containers() if r["Service"] == "engine"]) == 2
+    body5 = next_turn(body4, turn4, "Where?")
+    turn5 = chat(compose, key, "s1", body5)
+    assert cached(turn5)[0] > 0, turn5["usage"]
+    fresh = chat(compose, key, "scaled", next_turn(body, first, "Another question."))
+    assert cached(fresh)[0] > 0, fresh["usage"]  # the system prompt, from RAM or the shared disk
+
     # The dashboard answers on its published port, with the generated key.
     ui = f"http://127.0.0.1:{compose.env['KEEPWARM_UI_HOST_PORT']}"
     status, health = http_json(f"{ui}/_stcore/health")
