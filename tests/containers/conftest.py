@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.containers.stack import ROOT, TIMINGS
+from tests.containers.compose_stack import ROOT, TIMINGS
 
 TIMINGS_FILE = ROOT / ".cache" / "containers-timings.json"
 

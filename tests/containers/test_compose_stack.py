@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.containers.stack import (
+from tests.containers.compose_stack import (
     CPU,
     ROCM,
     ROOT,
