@@ -22,14 +22,17 @@ RANGES = [(0, 40), (20, 60), (40, 80)]  # overlapping keys: the same entry wante
 
 
 def _usage(root: Path) -> int:
-    total = 0
+    """Bytes of snapshot and temp files, each inode once (a publish links the temp file into
+    place, so for a moment one file has two names)."""
+    sizes: dict[int, int] = {}
     for p in root.rglob("*"):
         if p.name.endswith((".safetensors", ".tmp")):
             try:
-                total += p.stat().st_size
+                st = p.stat()
             except FileNotFoundError:
-                pass
-    return total
+                continue
+            sizes[st.st_ino] = st.st_size
+    return sum(sizes.values())
 
 
 def test_writers_share_one_budget_and_evict_each_file_once(tmp_path: Path) -> None:
@@ -78,7 +81,11 @@ def test_writers_share_one_budget_and_evict_each_file_once(tmp_path: Path) -> No
     saves = sum(s["saves"] for s in stats)
     evictions = sum(s["evictions"] for s in stats)
     assert saves - evictions == len(files)  # each eviction counted by exactly one process
-    assert peak[0] <= BUDGET and _usage(root) <= BUDGET  # one budget, reservations included
+    # One budget, reservations included. The sampler's folder walk is not atomic: it can count
+    # a file that an eviction removes mid-walk and the file that replaces it, one entry at most;
+    # three writers without a shared budget would overshoot by several entries.
+    assert peak[0] <= BUDGET + ENTRY
+    assert _usage(root) <= BUDGET  # at rest: exact
     for s in stats:
         assert (s["rejected_by_reason"], s["errors_by_kind"], s["write_errors"], s["garbage_rows"]) == (
             {},
