@@ -215,6 +215,17 @@ def test_zero_config_stack_caches_and_restores_from_disk(stack: Compose) -> None
     assert cached(turn5)[0] > 0, turn5["usage"]
     fresh = chat(compose, key, "scaled", next_turn(body, first, "Another question."))
     assert cached(fresh)[0] > 0, fresh["usage"]  # the system prompt, from RAM or the shared disk
+    # One replica killed: the sessions carry on on the other, restored from the shared volume.
+    victim = next(r["Name"] for r in compose.containers() if r["Service"] == "engine")
+    subprocess.run(["docker", "kill", victim], check=True, capture_output=True)
+    body6 = next_turn(body5, turn5, "Who?")
+    turn6 = chat(compose, key, "s1", body6)
+    assert cached(turn6)[0] > 0, turn6["usage"]
+    more = chat(
+        compose, key, "scaled", next_turn(next_turn(body, first, "Another question."), fresh, "More?")
+    )
+    assert cached(more)[0] > 0, more["usage"]
+    compose.run("up", "-d", "--scale", "engine=1")
 
     # The dashboard answers on its published port, with the generated key.
     ui = f"http://127.0.0.1:{compose.env['KEEPWARM_UI_HOST_PORT']}"
