@@ -447,7 +447,7 @@ class Engine:
         text, stopped = seq.stopper.push(tok)
         if not stopped or text or pick.logprob is not None:
             seq.emit(TokenEvent(tok, text, seq.choice, pick.logprob, pick.top_logprobs))
-        if stopped or (m is not None and m.is_done() and tok in self.tokenizer.eos_token_ids):
+        if stopped or (m is not None and tok in self.tokenizer.eos_token_ids and m.is_done()):
             self._finish(seq, "stop")
         elif seq.num_generated >= seq.max_new_tokens:
             self._finish(seq, "length")

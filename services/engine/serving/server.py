@@ -491,21 +491,30 @@ def create_app(models: ModelSet, cfg: EngineConfig) -> Litestar:
             if ev is None:
                 raise RuntimeError("generation ended without a finish event")
 
+    async def _paced(job: Job) -> AsyncIterator[Event | bytes]:
+        """The job's events until it ends, with an SSE keep-alive comment (bytes) whenever none
+        came for `keepalive_s`, and an SSE error event (bytes, last) when the request fails."""
+        while True:
+            try:
+                ev = await asyncio.wait_for(next_event(job), timeout=cfg.keepalive_s)
+            except asyncio.TimeoutError:
+                yield b": keep-alive\n\n"
+                continue
+            except RequestError as e:
+                yield _sse(error_body(str(e), e.status, e.param))
+                return
+            if ev is None:
+                return
+            yield ev
+
     async def _stream(job: Job, engine: Engine, out: ChunkWriter) -> AsyncIterator[bytes]:
         try:
             for chunk in out.starts():
                 yield _sse(chunk)
-            while True:
-                try:
-                    ev = await asyncio.wait_for(next_event(job), timeout=cfg.keepalive_s)
-                except asyncio.TimeoutError:
-                    yield b": keep-alive\n\n"
+            async for ev in _paced(job):
+                if isinstance(ev, bytes):
+                    yield ev
                     continue
-                except RequestError as e:
-                    yield _sse(error_body(str(e), e.status, e.param))
-                    break
-                if ev is None:
-                    break
                 if isinstance(ev, TokenEvent):
                     chunk = out.token(ev)
                     if chunk is not None:
@@ -524,17 +533,10 @@ def create_app(models: ModelSet, cfg: EngineConfig) -> Litestar:
     ) -> AsyncIterator[bytes]:
         created = int(time.time())
         try:
-            while True:
-                try:
-                    ev = await asyncio.wait_for(next_event(job), timeout=cfg.keepalive_s)
-                except asyncio.TimeoutError:
-                    yield b": keep-alive\n\n"
+            async for ev in _paced(job):
+                if isinstance(ev, bytes):
+                    yield ev
                     continue
-                except RequestError as e:
-                    yield _sse(error_body(str(e), e.status, e.param))
-                    break
-                if ev is None:
-                    break
                 if isinstance(ev, TokenEvent):
                     if ev.text:
                         yield _sse(
