@@ -283,7 +283,7 @@ class Engine:
             while not self.inbox.empty():
                 self.scheduler.add(self.inbox.get())
             self._drop_cancelled()
-            batch = self._fit(self.scheduler.schedule(self._admit))
+            batch = self._fit(self.scheduler.schedule(self._admit, self._cached_depth))
             if not batch:
                 return 0
             out = self.runner.run(batch)
@@ -328,6 +328,10 @@ class Engine:
                 seq.save_points = self.save_points(seq.policy, seq.salt, prompt, seq.position)
                 self.recent_prompts.append((seq.salt, array("i", seq.tokens)))
         return True
+
+    def _cached_depth(self, seq: Sequence) -> int:
+        prompt = seq.tokens[: seq.num_prompt_tokens]
+        return self.cache.cached_depth(seq.salt, prompt, seq.boundaries, self.cfg.min_tokens)
 
     def _count_waiting(self, delta: int) -> None:
         with self.waiting_lock:

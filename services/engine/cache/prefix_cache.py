@@ -123,6 +123,19 @@ class PrefixCache:
                 return hit
         return None
 
+    def cached_depth(
+        self, salt: str, tokens: Sequence[int], boundaries: Iterable[int], min_tokens: int
+    ) -> int:
+        """The deepest prefix length of `tokens` some tier holds an entry for (0: none),
+        by key alone: nothing is read or validated (a scheduling estimate, not a hit)."""
+        lengths = candidate_lengths(len(tokens), boundaries, self.known_lengths(), None, min_tokens)
+        for n, key in zip(lengths, prefix_keys(self.namespace, salt, tokens, lengths), strict=True):
+            if (self.memory is not None and key in self.memory) or (
+                self.disk is not None and self.disk.contains(key)
+            ):
+                return n
+        return 0
+
     def promote(self, hit: Hit) -> None:
         """Put an aliased disk hit into the RAM tier (a copy: the alias is reused later)."""
         if hit.aliased and self.memory is not None and hit.key not in self.memory:

@@ -8,6 +8,11 @@ sequence's next save point, so snapshots are taken at exact positions; a long
 prompt therefore delays running decodes by at most one step. At most
 `max_seqs` sequences run at once; a sequence is admitted only when its state
 fits the memory budget (the engine's `admit` decides and restores it).
+
+A prefix is prefilled once even when requests sharing it arrive together: a waiting
+sequence whose prompt starts with a prefix that a running sequence is about to snapshot
+(one of its pending save points) stays waiting until that snapshot exists, then restores
+it; sequences behind it that share nothing may go first.
 """
 
 from __future__ import annotations
@@ -52,9 +57,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
-    def schedule(self, admit: Callable[[Sequence], bool]) -> list[Scheduled]:
+    def schedule(
+        self, admit: Callable[[Sequence], bool], cached_depth: Callable[[Sequence], int] = lambda seq: 0
+    ) -> list[Scheduled]:
         """The next step's work. `admit(seq)` gives a waiting sequence its state (restore,
-        allocation) and returns False when memory cannot hold it yet."""
+        allocation) and returns False when memory cannot hold it yet; `cached_depth(seq)` is
+        how deep a prefix of its prompt the cache already holds."""
         budget = self.max_batch_tokens
         out: list[Scheduled] = []
         for seq in self.running:  # decodes: one token each
@@ -67,8 +75,12 @@ class Scheduler:
                 n = self._chunk(seq, budget)
                 out.append(Scheduled(seq, n))
                 budget -= n
+        deferred: list[Sequence] = []
         while self.waiting and len(self.running) < self.max_seqs and budget > 0:
             seq = self.waiting[0]
+            if self._awaits_shared_prefix(seq, cached_depth):
+                deferred.append(self.waiting.popleft())
+                continue
             if not admit(seq):
                 break  # first come, first served: nobody overtakes the head of the line
             self.waiting.popleft()
@@ -77,7 +89,23 @@ class Scheduler:
             n = self._chunk(seq, budget) if seq.prefilling else seq.num_tokens_to_feed()
             out.append(Scheduled(seq, n))
             budget -= n
+        self.waiting.extendleft(reversed(deferred))  # back in their places, in order
         return out
+
+    def _awaits_shared_prefix(self, seq: Sequence, cached_depth: Callable[[Sequence], int]) -> bool:
+        """Whether a running sequence will snapshot, in this prefill, a prefix of `seq`'s
+        prompt deeper than anything cached for it (`seq` would compute the same tokens
+        alongside). Cost: one comparison of at most a prompt's length per running sequence."""
+        if not seq.policy.enabled or seq.num_preemptions or seq.parked is not None:
+            return False
+        prompt = seq.tokens[: seq.num_prompt_tokens]
+        for other in self.running:
+            if not other.prefilling or other.salt != seq.salt:
+                continue
+            pending = [p for p in other.save_points if other.position < p <= len(prompt)]
+            if pending and prompt[: pending[0]] == other.tokens[: pending[0]]:
+                return cached_depth(seq) < pending[0]
+        return False
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         n = min(seq.num_tokens_to_feed(), self.chunk_size, budget)
