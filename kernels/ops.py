@@ -27,6 +27,9 @@ prefill — so a prefix restored from the cache computes exactly like the uncach
 The CPU bundle "cpu_invariant" uses the kernels of cpu_linear, cpu_rowwise, cpu_attention
 and cpu_delta_rule (one token-serial recurrence for prefill and decode) behind the start-up
 self-check (kernels/invariance.py).
+On a GPU the bundle "triton_invariant" (kernels/triton_invariant.py) keeps the same
+property: fixed tiles whatever the row count, no split reductions, one attention kernel
+for prefill and decode, the token-serial delta rule.
 """
 
 from __future__ import annotations
@@ -124,13 +127,19 @@ def cpu_ops(invariant: bool = True) -> Ops:
 
 
 def ops_for(device: torch.device, use_triton: bool | None = None, invariant: bool = True) -> Ops:
-    """The ops to run on `device`: Triton kernels on a GPU when Triton imports (not
-    invariant yet); on a CPU `cpu_ops(invariant)`. `use_triton` forces the choice."""
+    """The ops to run on `device`: on a GPU, when Triton imports, the invariant Triton bundle
+    "triton_invariant" (kernels/triton_invariant.py) or, with invariant=False, the faster
+    "triton" one (torch GEMMs, split-KV decode, chunked delta rule); on a CPU
+    `cpu_ops(invariant)`. `use_triton` forces the choice."""
     if use_triton is None:
         use_triton = device.type == "cuda"
     if not use_triton:
         return cpu_ops(invariant) if device.type == "cpu" else TORCH_OPS
     try:
+        if invariant:
+            from keepwarm.kernels import triton_invariant
+
+            return triton_invariant.TRITON_INVARIANT_OPS
         from keepwarm.kernels import triton_ops
     except ImportError:
         return TORCH_OPS

@@ -177,9 +177,9 @@ class EngineConfig:
     )
     deterministic: bool = setting(
         True,
-        help="batch- and chunk-invariant CPU kernels: a reply does not depend on its batch "
-        "neighbours, its prefill chunks or a cache restore (bitwise); `false` trades that for "
-        "speed (see BENCHMARKS.md for the measured cost)",
+        help="batch- and chunk-invariant kernels (CPU, and Triton on a GPU): a reply does not depend "
+        "on its batch neighbours, its prefill chunks or a cache restore (bitwise); `false` trades "
+        "that for speed (see BENCHMARKS.md for the measured cost)",
     )
     keepalive_s: float = setting(
         5.0, help="SSE keep-alive comment interval, seconds, while a stream waits (queue, long prefill)"

@@ -88,6 +88,7 @@ class EngineStats:
 class Prompt:
     tokens: list[int]
     boundaries: list[int]  # token positions where each chat message ends
+    extends_to_next_turn: bool = False  # the next turn's prompt starts with all of `tokens`
 
 
 class Engine:
@@ -184,7 +185,7 @@ class Engine:
     # -- request preparation (any thread) -------------------------------------
     def prepare(self, req: GenerateRequest) -> Prompt:
         if req.prompt_tokens is not None:
-            tokens, boundaries = list(req.prompt_tokens), []
+            tokens, boundaries, extends = list(req.prompt_tokens), [], False
         elif req.messages:
             try:
                 chat = self.template.encode_chat(
@@ -198,6 +199,7 @@ class Engine:
                     f"messages could not be rendered by the model's chat template: {e}", param="messages"
                 ) from e
             tokens, boundaries = list(chat.tokens), list(chat.boundaries)
+            extends = chat.extends_to_next_turn
         else:
             raise RequestError(
                 "messages must be a non-empty list of {role, content} objects", param="messages"
@@ -220,7 +222,7 @@ class Engine:
                 status=413,
                 param="messages",
             )
-        return Prompt(tokens, boundaries)
+        return Prompt(tokens, boundaries, extends)
 
     def submit(
         self,
@@ -243,6 +245,7 @@ class Engine:
             tokens=list(prompt.tokens),
             num_prompt_tokens=len(prompt.tokens),
             boundaries=list(prompt.boundaries),
+            prompt_extends_to_next_turn=prompt.extends_to_next_turn,
             policy=req.policy or self.default_policy,
             sampler=Sampler(params, _rules(req)),
             stopper=StopChecker(self.tokenizer.stream_decoder(), params.stop, stop_ids),
@@ -324,7 +327,9 @@ class Engine:
             self.stats.requests += 1
             self.stats.prompt_tokens += seq.num_prompt_tokens
             if seq.policy.enabled:
-                prompt = Prompt(seq.tokens[: seq.num_prompt_tokens], seq.boundaries)
+                prompt = Prompt(
+                    seq.tokens[: seq.num_prompt_tokens], seq.boundaries, seq.prompt_extends_to_next_turn
+                )
                 seq.save_points = self.save_points(seq.policy, seq.salt, prompt, seq.position)
                 self.recent_prompts.append((seq.salt, array("i", seq.tokens)))
         return True
@@ -601,9 +606,11 @@ class Engine:
         points: set[int] = set()
         inner = [b for b in prompt.boundaries if 0 < b < n]
         if policy.mode == "full":
-            points.add(n)  # exact repeat of this prompt
+            points.add(n)  # exact repeat of this prompt, and the next turn when the prompt extends to it
             if inner:
-                points.update((inner[0], inner[-1]))  # shared system prompt; history before this turn's reply
+                points.add(inner[0])  # a shared system prompt
+                if not prompt.extends_to_next_turn:
+                    points.add(inner[-1])  # the history before this turn's reply: where the next turn forks
         elif policy.mode == "auto":
             recent = [toks for s, toks in list(self.recent_prompts)[-policy.window :] if s == salt]
             lcp = max((diverged_at(tokens, toks) for toks in recent), default=0)

@@ -16,7 +16,7 @@ import pytest
 from keepwarm.engine.cache.policy import Policy
 from keepwarm.engine.cache.prefix_cache import SessionHint
 from keepwarm.engine.config import EngineConfig
-from keepwarm.engine.engine import Engine
+from keepwarm.engine.engine import Engine, Prompt
 from keepwarm.engine.generation.request import FinishEvent, GenerateRequest, RequestError
 from keepwarm.engine.generation.sampling import SamplingParams
 
@@ -221,7 +221,11 @@ def test_policies_choose_snapshot_points(tiny_dense_model: Path) -> None:
         prompt = engine.prepare(_req(msgs))
         n = len(prompt.tokens)
         inner = [b for b in prompt.boundaries if 0 < b < n]
-        assert engine.save_points(Policy("full"), "", prompt, 0) == sorted({inner[0], inner[-1], n})
+        # ChatML: the whole prompt is a prefix of the next turn's, so the history end is not saved
+        assert prompt.extends_to_next_turn
+        assert engine.save_points(Policy("full"), "", prompt, 0) == sorted({inner[0], n})
+        forks = Prompt(prompt.tokens, prompt.boundaries, extends_to_next_turn=False)
+        assert engine.save_points(Policy("full"), "", forks, 0) == sorted({inner[0], inner[-1], n})
         assert engine.save_points(Policy("fixed", num_tokens=20), "", prompt, 0) == [20]
         assert engine.save_points(Policy("fixed", num_tokens=20), "", prompt, 25) == []
         assert engine.save_points(Policy("off"), "", prompt, 0) == []

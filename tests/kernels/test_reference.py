@@ -164,6 +164,7 @@ def test_ops_for_cpu_is_torch_unless_triton_is_forced() -> None:
     else:
         assert plain is TORCH_OPS
     assert ops_for(cpu, use_triton=False) == plain
-    forced = ops_for(cpu, use_triton=True)
+    assert ops_for(cpu, use_triton=True).name == "triton_invariant"  # the default: invariant
+    forced = ops_for(cpu, use_triton=True, invariant=False)
     assert forced is TRITON_OPS
     assert forced.name == "triton" and TORCH_OPS.name == "torch"

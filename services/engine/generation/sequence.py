@@ -50,6 +50,7 @@ class Sequence:
     state: State | None = None
     parked: Snapshot | None = None  # the state of a preempted sequence (also in the RAM tier)
     save_points: list[int] = field(default_factory=list)  # absolute prompt positions to snapshot at
+    prompt_extends_to_next_turn: bool = False  # the next turn's prompt starts with the whole prompt
     hit: Hit | None = None
     diverged_at: int | None = None
     finish_reason: str | None = None

@@ -24,6 +24,7 @@ number of messages, and a boundary left out only costs a snapshot point.
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import json
 import sys
@@ -65,6 +66,10 @@ class ChatPrompt:
     text: str
     tokens: list[int]
     boundaries: list[int]
+    # The next turn's prompt (these messages, the reply, one more user message) starts with
+    # all of `tokens`: the generation prompt is how the reply's own turn is rendered, so a
+    # snapshot at the end of the prompt also serves the next turn.
+    extends_to_next_turn: bool = False
 
 
 def _raise_exception(message: str) -> None:
@@ -351,6 +356,26 @@ class ChatTemplate:
                 h.update(len(part).to_bytes(8, "little"))
                 h.update(part)
         self.template_hash = h.hexdigest()
+        # bounded: template kwargs come from requests
+        self._extends_to_next_turn = functools.lru_cache(maxsize=32)(self._probe_extends_to_next_turn)
+        self._extends_to_next_turn("{}")  # the common case, before any render is counted
+
+    def _probe_extends_to_next_turn(self, kwargs_json: str) -> bool:
+        """Whether a one-message chat's prompt (generation prompt included) is a token prefix
+        of the prompt after one more exchange, with these template kwargs."""
+        kwargs = json.loads(kwargs_json)
+        first = [{"role": "user", "content": "Hello."}]
+        after = [*first, {"role": "assistant", "content": "Hi there."}, {"role": "user", "content": "Bye."}]
+        try:
+            a = self._run(_normalize_messages(first), 1, True, None, kwargs)
+            b = self._run(_normalize_messages(after), 3, True, None, kwargs)
+        except ChatTemplateError:
+            return False
+        if not b.startswith(a):
+            return False
+        ta = self._tok.encode_with_offsets(a, add_special_tokens=False)[0]
+        tb = self._tok.encode_with_offsets(b, add_special_tokens=False)[0]
+        return tb[: len(ta)] == ta
 
     @classmethod
     def from_dir(cls, path: str | Path, tokenizer: Tokenizer) -> ChatTemplate:
@@ -479,4 +504,9 @@ class ChatTemplate:
             pos = bisect.bisect_right(ends, lengths[i])
             if pos > 0 and (not boundaries or pos > boundaries[-1]):
                 boundaries.append(pos)
-        return ChatPrompt(text=text, tokens=tokens, boundaries=boundaries)
+        extends = (
+            add_generation_prompt
+            and tools is None
+            and self._extends_to_next_turn(json.dumps(template_kwargs or {}, sort_keys=True, default=repr))
+        )
+        return ChatPrompt(text=text, tokens=tokens, boundaries=boundaries, extends_to_next_turn=extends)

@@ -414,3 +414,18 @@ def test_chat_template_kwargs_cannot_replace_engine_variables(dirs: dict[str, Pa
     _, tpl = load(dirs["chatml"])
     with pytest.raises(ChatTemplateError, match="cannot set 'add_generation_prompt'"):
         tpl.render(SYSTEM_USER, template_kwargs={"add_generation_prompt": False})
+
+
+def test_a_prompt_extends_to_the_next_turn_only_where_the_template_renders_the_reply_so(
+    tmp_path: Path, dirs: dict[str, Path]
+) -> None:
+    """ChatML and Qwen3 (thinking on) open the reply's turn exactly as their generation prompt
+    does; Qwen3 with thinking off adds an empty think block the next turn's history drops."""
+    msgs = [{"role": "user", "content": "hi"}]
+    _, chatml = load(dirs["chatml"])
+    _, qwen3 = load(qwen3_dir(tmp_path / "qwen3", dirs))
+    assert chatml.encode_chat(msgs).extends_to_next_turn
+    assert qwen3.encode_chat(msgs).extends_to_next_turn
+    assert not qwen3.encode_chat(msgs, template_kwargs={"enable_thinking": False}).extends_to_next_turn
+    assert not chatml.encode_chat(msgs, add_generation_prompt=False).extends_to_next_turn
+    assert not chatml.encode_chat(msgs, tools=[]).extends_to_next_turn
