@@ -510,7 +510,7 @@ def _moe(w: _Moe, h: torch.Tensor, ops: Ops) -> torch.Tensor:
     rank order, and experts add into the output in increasing id order."""
     linear = ops.linear
     router_logits = linear(h, w.router)  # [T, E]
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    probs = ops.softmax(router_logits.float(), -1)  # row-local, one summation order (GPU too)
     top_w, top_i = ops.topk(probs, w.top_k)  # [T, k]
     total = top_w[:, 0]
     for j in range(1, w.top_k):  # elementwise adds: the same bits whatever T
