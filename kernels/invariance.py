@@ -6,10 +6,11 @@ and shape failed, and every later call (including the failing one) runs the fall
 
 Buckets: linear by (dtype, N, K, bias); rms_norm and rms_norm_1p by (dtype, D); silu_mul by
 (dtype, I); exp / sigmoid / silu / softplus by (dtype, last dim); conv_silu by (dtype, C, K);
-attention by (dtype, Hq, Hkv, D); the delta rule by (dtype, Hk, Hv, Dk, Dv): chunks and single
-tokens against one call, and a head alone against the same head folded among others. The row count is what the probe varies: 1..PROBE_ROWS
-rows, so it crosses the linear kernel's streaming/tiled switch (16 rows) and the attention
-key tiles (16)."""
+attention by (dtype, Hq, Hkv, D), and the general `attention` (a window over kept rows at an
+offset, masked extra keys, sinks) by the same once more; the delta rule by (dtype, Hk, Hv,
+Dk, Dv): chunks and single tokens against one call, and a head alone against the same head
+folded among others. The row count is what the probe varies: 1..PROBE_ROWS rows, so it
+crosses the linear kernel's streaming/tiled switch (16 rows) and the attention key tiles (16)."""
 
 from __future__ import annotations
 
@@ -89,6 +90,68 @@ def probe_attention(
             continue
         if not torch.equal(ops.prefill_attention(q[a:b], k[:b], v[:b], scale), full[a:b]):
             return f"{what}: a prefill chunk of rows {a}..{b - 1} differs from the one-shot prefill"
+    return None
+
+
+ARGS_OFFSET = 21  # absolute position of key row 0: key tiles (16) do not start at row 0
+ARGS_WINDOW = 19  # crosses a key tile boundary for every query past the first few
+ARGS_EXTRA = 24  # masked extra keys: one full tile of 16 and a partial one
+
+
+def probe_attention_args(
+    attention: Callable[..., torch.Tensor | None],
+    hq: int,
+    hkv: int,
+    d: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> str | None:
+    """`attention` with its newer arguments (sinks; a window over kept rows at an offset;
+    masked extra keys): decode steps and prefill chunks, each given only the key rows its
+    window keeps (as a sliding ring or DeepSeek V4's window buffer holds them), against one
+    call over all PROBE_ROWS queries. None when the bundle has no kernel for these inputs."""
+    g = torch.Generator().manual_seed(8)
+    s = PROBE_ROWS
+    q, k, v = (_rand((s, h, d), dtype, g, device) for h in (hq, hkv, hkv))
+    extra_k, extra_v = (_rand((ARGS_EXTRA, hkv, d), dtype, g, device) for _ in range(2))
+    extra_mask = (torch.rand((s, ARGS_EXTRA), generator=g) < 0.5).to(device)
+    extra_mask[0] = False  # a query that sees no extra key
+    extra_mask[ALONE[-1]] = True  # and one that sees them all
+    sinks = torch.randn((hq,), generator=g).to(device)  # float32: one logit per head
+    variants: tuple[tuple[int, int, bool, bool], ...] = (  # (window, offset, extra keys, sinks)
+        (0, 0, False, True),  # full attention with sinks (gpt-oss)
+        (ARGS_WINDOW, ARGS_OFFSET, False, False),  # a sliding ring
+        (ARGS_WINDOW, ARGS_OFFSET, True, True),  # DeepSeek V4: window, compressed rows, sinks
+    )
+
+    def call(
+        a: int, b: int, window: int, offset: int, with_extra: bool, with_sinks: bool
+    ) -> torch.Tensor | None:
+        """Queries a..b-1 against the key rows their window keeps (every row before b without one)."""
+        lo = max(0, a - window + 1) if window > 0 else 0
+        more: dict[str, torch.Tensor] = {}
+        if with_extra:
+            more = {"extra_k": extra_k, "extra_v": extra_v, "extra_mask": extra_mask[a:b]}
+        if with_sinks:
+            more["sinks"] = sinks
+        return attention(q[a:b], k[lo:b], v[lo:b], d**-0.5, window=window, offset=offset + lo, **more)
+
+    spans = [(t, t + 1, f"decode at position {t}") for t in ALONE]
+    spans += [(a, b, f"a prefill chunk of rows {a}..{b - 1}") for a, b in BATCHES if (a, b) != (0, s)]
+    for variant in variants:
+        window, offset, with_extra, with_sinks = variant
+        what = (
+            f"attention(window={window}, offset={offset}, extra keys={ARGS_EXTRA if with_extra else 0}, "
+            f"sinks={with_sinks}) Hq={hq} Hkv={hkv} D={d} {dtype}"
+        )
+        full = call(0, s, *variant)
+        if full is None:
+            continue
+        for a, b, name in spans:
+            out = call(a, b, *variant)
+            if out is None or not torch.equal(out, full[a:b]):
+                got = "no kernel" if out is None else "different bits"
+                return f"{what}: {name} gives {got} against the same rows of a {s}-query call"
     return None
 
 
@@ -286,7 +349,13 @@ class SelfCheck:
         return self._attention_ops(q, k).decode_attention(q, k, v, scale)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor | None:
-        return self._attention_ops(q, k).attention(q, k, *args, **kwargs)
+        self._attention_ops(q, k)  # the plain causal form first: prefill_attention shares the kernel
+        hq, hkv, d = q.shape[-2], k.shape[1], q.shape[-1]
+        key = ("attention_args", q.dtype, hq, hkv, d)
+        ops = self._check(
+            key, lambda: probe_attention_args(self.fast.attention, hq, hkv, d, q.dtype, q.device)
+        )
+        return ops.attention(q, k, *args, **kwargs)
 
     def ops(self) -> Ops:
         """The checked bundle (named after the fast one)."""

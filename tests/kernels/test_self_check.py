@@ -6,7 +6,9 @@ between 1 and 2 rows on oneDNN."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -39,6 +41,7 @@ def test_the_invariant_kernels_pass_every_probe(caplog: pytest.LogCaptureFixture
         conv_silu=cpu_rowwise.conv_silu,
         delta_rule_prefill=cpu_delta_rule.gated_delta_rule,
         delta_rule_decode=cpu_delta_rule.gated_delta_rule,
+        attention=cpu_attention.attention,
     )
     check = SelfCheck(fast, TORCH_OPS)
     ops = check.ops()
@@ -53,6 +56,10 @@ def test_the_invariant_kernels_pass_every_probe(caplog: pytest.LogCaptureFixture
             q, k = torch.randn(5, 4, 16).to(dtype), torch.randn(5, 2, 16).to(dtype)
             ops.prefill_attention(q, k, k, 0.25)
             ops.decode_attention(q[0], k, k, 0.25)
+            extra = dict(extra_k=k[:3], extra_v=k[:3], extra_mask=torch.rand(5, 3) < 0.5)
+            got = ops.attention(q, k, k, 0.25, window=3, offset=2, sinks=torch.zeros(4), **extra)
+            want = cpu_attention.attention(q, k, k, 0.25, window=3, offset=2, sinks=torch.zeros(4), **extra)
+            assert got is not None and want is not None and torch.equal(got, want)
             ops.rms_norm_1p(x, torch.ones(64), 1e-6)
             for f in (ops.sigmoid, ops.silu, ops.softplus):
                 f(x)
@@ -61,7 +68,7 @@ def test_the_invariant_kernels_pass_every_probe(caplog: pytest.LogCaptureFixture
             ops.delta_rule_prefill(q[:, :2], k, q, -torch.rand(5, 4), beta, state)
             ops.delta_rule_decode(q[:1, :2], k[:1], q[:1], -torch.rand(1, 4), beta[:1], state)
     assert check.refused is None and not caplog.records
-    assert len(check.checked) == 2 * 10  # 10 buckets per dtype, each probed once
+    assert len(check.checked) == 2 * 11  # 11 buckets per dtype, each probed once
 
 
 def test_a_batch_dependent_kernel_is_refused_with_one_error_line(caplog: pytest.LogCaptureFixture) -> None:
@@ -84,6 +91,52 @@ def test_a_batch_dependent_kernel_is_refused_with_one_error_line(caplog: pytest.
     n = len(calls)
     check.ops().linear(x, torch.randn(4, 32))  # a new bucket after a refusal: no probe, fallback
     assert len(calls) == n
+
+
+def _drifting_attention(trigger: str) -> Callable[..., torch.Tensor | None]:
+    """cpu_attention.attention, except that a call using `trigger` with more than 16 queries
+    comes out shifted (a kernel whose path for that argument blocks by the row count), or, for
+    "offset", with its key tiles counted from row 0 instead of absolute positions."""
+
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, **kw: Any) -> Any:
+        if trigger == "offset":
+            return cpu_attention.attention(q, k, v, scale, **{**kw, "offset": 0})
+        out = cpu_attention.attention(q, k, v, scale, **kw)
+        used = {"window": kw.get("window", 0) > 0, "extra": "extra_k" in kw, "sinks": "sinks" in kw}
+        return out + 1e-3 if out is not None and used[trigger] and q.shape[0] > 16 else out
+
+    return attention
+
+
+@needs_kernels
+@pytest.mark.parametrize("trigger", ["window", "offset", "extra", "sinks"])
+def test_attention_that_changes_with_the_row_count_under_its_newer_arguments_is_refused(
+    caplog: pytest.LogCaptureFixture, trigger: str
+) -> None:
+    """The plain causal probe (prefill_attention, decode_attention) cannot see a drift that
+    only the general attention's window, offset, extra keys or sinks bring; its own probe does."""
+    fast = replace(
+        TORCH_OPS,
+        name="drifting",
+        prefill_attention=cpu_attention.prefill_attention,
+        decode_attention=cpu_attention.decode_attention,
+        attention=_drifting_attention(trigger),
+    )
+    check = SelfCheck(fast, TORCH_OPS)
+    ops = check.ops()
+    g = torch.Generator().manual_seed(2)
+    q, k = torch.randn(5, 4, 16, generator=g), torch.randn(5, 2, 16, generator=g)
+    with caplog.at_level(logging.ERROR, logger="keepwarm.kernels.invariance"):
+        assert torch.equal(
+            ops.prefill_attention(q, k, k, 0.25), cpu_attention.prefill_attention(q, k, k, 0.25)
+        )
+        assert check.refused is None and not caplog.records  # the causal probe passed
+        got = ops.attention(q, k, k, 0.25, window=3, offset=2, sinks=torch.zeros(4))
+    assert got is None  # the failing call already runs the fallback (no kernel: the model's torch path)
+    assert check.refused is not None and check.refused.startswith("attention(window=")
+    assert "Hq=4 Hkv=2 D=16 torch.float32" in check.refused
+    assert [r.levelname for r in caplog.records] == ["ERROR"] and "drifting" in caplog.text
+    assert ops.prefill_attention(q, k, k, 0.25).equal(TORCH_OPS.prefill_attention(q, k, k, 0.25))
 
 
 def test_the_probe_sees_what_torch_fp32_gemm_does_here() -> None:

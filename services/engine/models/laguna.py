@@ -260,16 +260,29 @@ class LagunaBackend(SlidingKvBackend):
         gate, up = self.ops.linear(h, w.w_gate_up).chunk(2, dim=-1)
         return self.ops.linear(self.ops.silu_mul(gate, up), w.w_down)
 
-    def _moe(self, w: _Moe, h: torch.Tensor) -> torch.Tensor:
-        """h [N, hidden] (every token of every sequence) -> [N, hidden], as LagunaSparseMoeBlock."""
-        c, ops = self.cfg, self.ops  # ops.linear / ops.topk: a token's bits do not depend on its neighbours
+    def route(self, w: _Moe, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [N, hidden] -> (expert ids [N, k], weights [N, k] in h's dtype), as
+        LagunaSparseMoeBlock's router. Each token's bits do not depend on its neighbours:
+        ops.linear / ops.sigmoid / ops.topk are invariant (ties to the lowest id); the softcap
+        is elementwise (division, tanh, product: torch's tanh runs one vectorised function over
+        every element, partial vectors included, so a value's bits do not depend on its offset
+        or the tensor's length); the k weights are summed by elementwise adds in rank order."""
+        c, ops = self.cfg, self.ops
         logits = ops.linear(h, w.router).float()  # [N, E]
         if c.router_softcap > 0.0:
             logits = torch.tanh(logits / c.router_softcap) * c.router_softcap
         scores = ops.sigmoid(logits)
-        _, top_i = ops.topk(scores + w.select_bias, c.num_experts_per_tok)  # [N, k]; ties to the lowest id
+        _, top_i = ops.topk(scores + w.select_bias, c.num_experts_per_tok)  # [N, k]
         top_w = scores.gather(-1, top_i)
-        top_w = (top_w / top_w.sum(dim=-1, keepdim=True)).to(h.dtype)
+        total = top_w[:, 0]
+        for j in range(1, top_w.shape[1]):  # a fixed order whatever N (a torch sum may block by shape)
+            total = total + top_w[:, j]
+        return top_i, (top_w / total[:, None]).to(h.dtype)
+
+    def _moe(self, w: _Moe, h: torch.Tensor) -> torch.Tensor:
+        """h [N, hidden] (every token of every sequence) -> [N, hidden], as LagunaSparseMoeBlock."""
+        c, ops = self.cfg, self.ops
+        top_i, top_w = self.route(w, h)
         routed = torch.zeros_like(h)
         for e in top_i.unique().tolist():  # only the experts some token routed to, ascending
             tok, slot = torch.where(top_i == e)

@@ -15,8 +15,8 @@ from transformers import LagunaConfig, LagunaForCausalLM
 from keepwarm.engine.cache.snapshot import Snapshot, SnapshotMismatch
 from keepwarm.engine.loading.checkpoint import CheckpointError, open_checkpoint
 from keepwarm.engine.models import build_backend
-from keepwarm.engine.models.laguna import LagunaBackend, build, demo_config, init_weights
-from keepwarm.kernels.ops import TORCH_OPS
+from keepwarm.engine.models.laguna import LagunaBackend, _Moe, build, demo_config, init_weights
+from keepwarm.kernels.ops import TORCH_OPS, cpu_ops
 from keepwarm.kernels.sliding_attention import TRITON_SLIDING
 from tests.engine.models import sliding_checks as checks
 
@@ -172,6 +172,47 @@ def test_triton_attention_in_model(laguna_dir: Path, monkeypatch: pytest.MonkeyP
     st = b.new_state(24)
     b.prefill(st, toks[:17])
     assert (b.decode(st, int(toks[17])) - want[17]).abs().max().item() <= 1e-4
+
+
+def test_torch_tanh_gives_a_value_the_same_bits_at_any_offset_and_length() -> None:
+    """The router's softcap relies on it (laguna.py route): torch's tanh runs one vectorised
+    function over every element, partial vectors included, so no scalar tail rounds apart."""
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(80, generator=torch.Generator().manual_seed(4)) * 3).to(dtype)
+        alone = torch.cat([torch.tanh(x[i : i + 1]) for i in range(80)])
+        for n in range(1, 41):
+            for off in range(40):
+                assert torch.equal(torch.tanh(x[off : off + n]), alone[off : off + n]), (dtype, n, off)
+
+
+@pytest.mark.skipif(cpu_ops().name != "cpu_invariant", reason="the invariant CPU kernels need AVX-512 BF16")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_router_weights_of_a_token_are_the_same_bits_alone_and_in_a_batch(
+    tmp_path: Path, dtype: torch.dtype
+) -> None:
+    """Softcapped scores, top-3 of 4 experts renormalised: a token's expert ids and weights
+    do not depend on the other rows of the call; the model still matches transformers."""
+    ref = _model({**CASES["w8-top2-heads"], "moe_router_logit_softcapping": 1.5, "num_experts_per_tok": 3})
+    ref.save_pretrained(tmp_path)
+    ours = build(open_checkpoint(tmp_path), CPU, dtype, cpu_ops())
+    moes = [layer.mlp for layer in ours.layers if isinstance(layer.mlp, _Moe)]
+    assert len(moes) == 3 and ours.cfg.router_softcap == 1.5
+    h = (torch.randn(40, 48, generator=torch.Generator().manual_seed(6)) * 4).to(dtype)
+    for moe in moes:
+        alone = [ours.route(moe, h[i : i + 1]) for i in range(40)]
+        for a, b in ((0, 2), (0, 17), (0, 40), (1, 37), (15, 33), (39, 40)):
+            ids, weights = ours.route(moe, h[a:b])
+            assert weights.dtype == dtype and ids.shape == (b - a, 3)
+            for i in range(a, b):
+                assert torch.equal(ids[i - a], alone[i][0][0]) and torch.equal(weights[i - a], alone[i][1][0])
+    toks = checks.prompt(30, ours.vocab_size, seed=5)
+    with torch.no_grad():
+        want = ref(toks[None]).logits[0]
+    got = ours.forward(ours.new_state(32), toks, all_logits=True)
+    if dtype == torch.float32:
+        assert (got - want).abs().max().item() <= checks.ATOL
+    else:  # as test_bf16_runs_and_mostly_agrees
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.8
 
 
 def _with(path: Path, tmp: Path, **edit: Any) -> Path:

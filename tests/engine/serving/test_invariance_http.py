@@ -1,12 +1,18 @@
-"""A cached answer is the uncached answer, through the HTTP service in bfloat16: 20
-multi-turn conversations with the prefix cache off and full (restores from the
-turn boundaries and continued checkpoints) give identical replies, greedy and
-seeded at temperature 0.8."""
+"""A cached answer is the uncached answer, through the HTTP service in bfloat16, for every
+family the engine serves (dense, qwen3_5, deepseek_v4, laguna, gpt_oss): 20 multi-turn
+conversations with the prefix cache off and full (restores from the turn boundaries and
+continued checkpoints) give identical replies, greedy and seeded at temperature 0.8. The 40
+conversations of a round run 16 at a time, so off and full replies also come out of batches
+of different compositions; `full` must really restore (cached tokens on every later turn).
+Replies are compared with their token logprobs, so equal means equal logits. A control with
+invariance off finds differences by the same comparison."""
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -16,44 +22,95 @@ from tests.api.procs import Proc, start_engine
 
 WORDS = "river mill bridge winter miller children lantern harvest orchard market bell ferry".split()
 SYSTEM = "You are a patient assistant who answers about a small village and its river. " * 2
+CONVERSATIONS = 20
+TURNS = 3
+WORKERS = 16  # conversations in flight: the engine's default --max-seqs, so none waits in its queue
+# family -> (the session fixture that writes its tiny checkpoint, the checkpoint's model_type)
+FAMILIES = {
+    "dense": ("tiny_dense_model", "qwen3"),
+    "qwen3_5": ("tiny_hybrid_model", "qwen3_5_text"),
+    "deepseek_v4": ("tiny_deepseek_model", "deepseek_v4"),
+    "laguna": ("tiny_laguna_model", "laguna"),
+    "gpt_oss": ("tiny_gpt_oss_model", "gpt_oss"),
+}
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_dense_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    tmp = tmp_path_factory.mktemp("invariance-http")
-    proc = start_engine(tiny_dense_model, tmp / "cache", tmp / "logs", extra=["--dtype", "bfloat16"])
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    fixture, model_type = FAMILIES[request.param]
+    model: Path = request.getfixturevalue(fixture)
+    assert json.loads((model / "config.json").read_text())["model_type"] == model_type
+    tmp = tmp_path_factory.mktemp(f"invariance-http-{request.param}")
+    proc = start_engine(model, tmp / "cache", tmp / "logs", extra=["--dtype", "bfloat16"])
     yield proc
     proc.stop()
 
 
-def _conversation(engine: Proc, seed: int, scope: str, temperature: float) -> list[str]:
+Turn = tuple[str, str, str, int]  # content, reasoning, logprobs (JSON), cached prompt tokens
+
+
+def _conversation(engine: Proc, seed: int, scope: str, temperature: float) -> list[Turn]:
+    """Each turn's reply, with the log-probabilities of its tokens and 5 runners-up: equal
+    logprobs say the logits were equal too, which a tiny random model's often repeated
+    greedy text alone would not show."""
     rng = random.Random(seed)
     messages = [{"role": "system", "content": SYSTEM}]
-    replies = []
-    for turn in range(3):
-        question = " ".join(rng.choice(WORDS) for _ in range(rng.randrange(3, 9))) + "?"
-        messages.append({"role": "user", "content": question})
-        body = {
-            "messages": messages,
-            "max_tokens": 8,
-            "temperature": temperature,
-            "seed": seed * 10 + turn,
-            "prefix_cache": {"scope": scope},
-        }
-        r = httpx.post(engine.url + "/v1/chat/completions", json=body, timeout=60)
-        assert r.status_code == 200, r.text
-        reply = r.json()
-        if scope == "full" and turn > 0:  # the cache really was used
-            assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-        text = reply["choices"][0]["message"]["content"] or ""
-        replies.append(text)
-        messages.append({"role": "assistant", "content": text})
-    return replies
+    turns = []
+    with httpx.Client(timeout=120) as client:
+        for turn in range(TURNS):
+            question = " ".join(rng.choice(WORDS) for _ in range(rng.randrange(3, 9))) + "?"
+            messages.append({"role": "user", "content": question})
+            body = {
+                "messages": messages,
+                "max_tokens": 8,
+                "temperature": temperature,
+                "seed": seed * 10 + turn,
+                "prefix_cache": {"scope": scope},
+                "logprobs": True,
+                "top_logprobs": 5,
+            }
+            r = client.post(engine.url + "/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            reply = r.json()
+            message = reply["choices"][0]["message"]
+            text = message["content"] or ""
+            cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+            logprobs = json.dumps(reply["choices"][0]["logprobs"])
+            turns.append((text, message.get("reasoning_content") or "", logprobs, cached))
+            messages.append({"role": "assistant", "content": text})
+    return turns
+
+
+def _round(engine: Proc, temperature: float) -> dict[tuple[int, str], list[Turn]]:
+    """The CONVERSATIONS conversations with the cache off and full, WORKERS at a time."""
+    runs = [(seed, scope) for seed in range(CONVERSATIONS) for scope in ("off", "full")]
+    with ThreadPoolExecutor(max_workers=WORKERS) as pool:
+        done = pool.map(lambda run: _conversation(engine, run[0], run[1], temperature), runs)
+        return dict(zip(runs, done, strict=True))
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_cache_full_answers_equal_cache_off_answers(engine: Proc, temperature: float) -> None:
-    for seed in range(20):
-        off = _conversation(engine, seed, "off", temperature)
-        full = _conversation(engine, seed, "full", temperature)
-        assert full == off, seed
+    done = _round(engine, temperature)
+    for seed in range(CONVERSATIONS):
+        off, full = done[seed, "off"], done[seed, "full"]
+        assert [t[:3] for t in full] == [t[:3] for t in off], seed
+        assert all(t[3] == 0 for t in off), seed  # off never restores
+        assert all(t[3] > 0 for t in full[1:]), (seed, [t[3] for t in full])  # full restored every later turn
+    assert len({t[2] for run in done.values() for t in run}) > CONVERSATIONS  # the logits follow the prompt
+
+
+def test_control_with_invariance_off_the_same_comparison_finds_a_difference(
+    tiny_dense_model: Path, tmp_path: Path
+) -> None:
+    """--deterministic false (torch's GEMMs, whose rows change with the row count): the cached
+    replies' logprobs no longer equal the uncached ones, so the comparison above can fail."""
+    extra = ["--dtype", "bfloat16", "--deterministic", "false"]
+    proc = start_engine(tiny_dense_model, tmp_path / "cache", tmp_path / "logs", extra=extra)
+    try:
+        done = _round(proc, 0.0)
+    finally:
+        proc.stop()
+    replies = {run: [t[:3] for t in turns] for run, turns in done.items()}
+    differ = [seed for seed in range(CONVERSATIONS) if replies[seed, "full"] != replies[seed, "off"]]
+    assert differ, "invariance off, yet every cached reply's logprobs equal the uncached ones"
