@@ -155,7 +155,11 @@ class EngineConfig:
         16, help="sequences running at once, decoding or prefilling (continuous batching)"
     )
     max_batch_tokens: int = setting(
-        2048, help="tokens per engine step: one per decoding sequence, then prefill chunks"
+        0,
+        default_text="0 (auto)",
+        help="tokens per engine step: one per decoding sequence, then prefill chunks; 0 = 2048 on a GPU, "
+        "128 on a CPU (where a step's time grows with its tokens: small steps let the first of several "
+        "prompts arriving together answer first and keep running replies' token gaps short)",
     )
     kv_budget: int = setting(
         0,
@@ -237,7 +241,7 @@ class EngineConfig:
             raise ConfigError("--keepalive-s must be > 0 seconds")
         if self.engine_token and len(self.engine_token) < 16:
             raise ConfigError("KEEPWARM_ENGINE_TOKEN must be at least 16 characters (or unset)")
-        if self.max_batch_tokens < self.max_seqs:
+        if 0 < self.max_batch_tokens < self.max_seqs:
             raise ConfigError(
                 f"--max-batch-tokens {self.max_batch_tokens} must be >= --max-seqs {self.max_seqs} "
                 "(every running sequence decodes one token per step)"
@@ -249,10 +253,11 @@ class EngineConfig:
             "queue_size",
             "max_tokens_limit",
             "max_seqs",
-            "max_batch_tokens",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.max_batch_tokens < 0:
+            raise ConfigError("--max-batch-tokens must be >= 1, or 0 for the device's default")
         try:
             self.policy  # noqa: B018 - parse for the error
         except ValueError as e:

@@ -135,7 +135,7 @@ class Engine:
         self.default_policy: Policy = cfg.policy
         self.stats = EngineStats()
         self.memory = StateMemory(self.backend, self._kv_budget(), cfg.max_context)
-        self.scheduler = Scheduler(cfg.max_seqs, cfg.max_batch_tokens, cfg.chunk_size)
+        self.scheduler = Scheduler(cfg.max_seqs, self._max_batch_tokens(), cfg.chunk_size)
         # (salt, prompt tokens) of recent requests for `auto`; int32 arrays: 4 bytes a token
         self.recent_prompts: deque[tuple[str, array[int]]] = deque(maxlen=MAX_AUTO_WINDOW)
         self.inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()  # from other threads
@@ -147,6 +147,11 @@ class Engine:
         self.tool_format = detect_format(self.template.source)
         # optional backend capability: read disk hits straight into a state's buffers
         self.restore_target = getattr(self.backend, "restore_target", None)
+
+    def _max_batch_tokens(self) -> int:
+        if self.cfg.max_batch_tokens > 0:
+            return self.cfg.max_batch_tokens
+        return max(self.cfg.max_seqs, 128 if self.device.type == "cpu" else 2048)
 
     def _kv_budget(self) -> int:
         if self.cfg.kv_budget > 0:
