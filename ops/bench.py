@@ -343,9 +343,9 @@ def _decode_tok_s(engine: Any, streams: int, prompt_tokens: int, reply_tokens: i
 
 def _chat_ttfts(
     engine: Any, users: int, rounds: int, system: str, policy: str, reply_tokens: int
-) -> list[float]:
+) -> tuple[list[float], list[float]]:
     """`users` conversations at once over a shared system prompt; each user sends its next
-    turn as soon as its reply ends. TTFTs (s) of every turn after the first."""
+    turn as soon as its reply ends. TTFTs (s) of the first turns, and of every later turn."""
     from keepwarm.engine.cache.policy import parse_policy
     from keepwarm.engine.generation.request import FinishEvent, GenerateRequest
     from keepwarm.engine.generation.sampling import SamplingParams
@@ -373,18 +373,18 @@ def _chat_ttfts(
 
     for u in range(users):
         send(u)
-    ttfts = []
+    first: list[float] = []
+    ttfts: list[float] = []
     while engine.has_work():
         engine.step()
         while finished:
             u, ev = finished.pop(0)
-            if turn[u] > 0:
-                ttfts.append(ev.timings.ttft_ms / 1000)
+            (ttfts if turn[u] > 0 else first).append(ev.timings.ttft_ms / 1000)
             history[u].append({"role": "assistant", "content": ev.text})
             turn[u] += 1
             if turn[u] < rounds:
                 send(u)
-    return ttfts
+    return first, ttfts
 
 
 def _engine_worker(
@@ -456,13 +456,17 @@ def bench_serve(
                     model, dtype, threads, Path(tmp), max_seqs=8, deterministic=deterministic
                 )
                 try:
-                    ttfts = _chat_ttfts(engine, users, 4, system, policy, 32)
+                    first, ttfts = _chat_ttfts(engine, users, 4, system, policy, 32)
+                    prefilled = engine.stats.prefill_tokens
                 finally:
                     engine.close()
             suffix = "_1user" if users == 1 else ""
             out[f"ttft_p50_{policy}{suffix}"] = _percentile(ttfts, 0.5)
             if users == 8:
                 out[f"ttft_p90_{policy}"] = _percentile(ttfts, 0.9)
+                # the first turns arrive together over one uncached system prompt
+                out[f"ttft_first_turn_p50_{policy}"] = _percentile(first, 0.5)
+                out[f"prefill_tokens_{policy}"] = prefilled
     # scale-out on this machine: 2 engines x 1 thread x 4 streams against 1 engine x 2 threads x 8
     out["two_engines_decode_tok_s_8"] = _two_engines_tok_s(model, dtype, 4, reply_tokens)
     out["two_engines_over_one"] = out["two_engines_decode_tok_s_8"] / out["decode_tok_s_8"]
