@@ -6,7 +6,10 @@ the same bits for the same row (torch's SDPA and einsum paths change their block
 the shapes).
 
 Shapes as kernels/ops.py: prefill_attention(q [T, Hq, D], k, v [S, Hkv, D], scale) with
-query t at position S - T + t; decode_attention(q [Hq, D], k, v, scale). `window` > 0
+query t at position S - T + t; decode_attention(q [Hq, D], k, v, scale);
+decode_attention_batch(q [B, Hq, D], ks, vs, scale) for the decode steps of B sequences, each
+against its own keys ks[b], vs[b] [S_b, Hkv, D], in one call (row b the same bits as
+decode_attention(q[b], ks[b], vs[b], scale)). `window` > 0
 limits a query at position p to keys p - window + 1 .. p. `offset` is the absolute position
 of key row 0 (a sliding window's kept rows), so key tiles stay at absolute positions.
 `extra_k`, `extra_v` [C, Hkv, D] with `extra_mask` [T, C] bool are keys each query sees where
@@ -18,6 +21,7 @@ is the same function in torch (fp32, not invariant). Falls back to the torch ref
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from types import ModuleType
 
 import torch
@@ -99,3 +103,16 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     out = attention(q.unsqueeze(0), k, v, scale)
     return out[0] if out is not None else reference.decode_attention(q, k, v, scale)
+
+
+def decode_attention_batch(
+    q: torch.Tensor, ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor], scale: float
+) -> torch.Tensor:
+    """The decode steps of B sequences: q [B, Hq, D] against ks[b], vs[b] [S_b, Hkv, D] ->
+    [B, Hq, D], one parallel region over (sequence, kv head) instead of B calls."""
+    ext = extension()
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, *ks, *vs))
+    out = None if ext is None or grad else ext.try_decode_batch(q, list(ks), list(vs), scale)
+    if out is not None:
+        return out
+    return torch.stack([decode_attention(qb, k, v, scale) for qb, k, v in zip(q, ks, vs, strict=True)])

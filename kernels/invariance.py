@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -348,6 +348,11 @@ class SelfCheck:
     ) -> torch.Tensor:
         return self._attention_ops(q, k).decode_attention(q, k, v, scale)
 
+    def decode_attention_batch(
+        self, q: torch.Tensor, ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor], scale: float
+    ) -> torch.Tensor:
+        return self._attention_ops(q, ks[0]).decode_attention_batch(q, ks, vs, scale)
+
     def attention(self, q: torch.Tensor, k: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor | None:
         self._attention_ops(q, k)  # the plain causal form first: prefill_attention shares the kernel
         hq, hkv, d = q.shape[-2], k.shape[1], q.shape[-1]
@@ -366,6 +371,7 @@ class SelfCheck:
             rotary=self.rotary,
             prefill_attention=self.prefill_attention,
             decode_attention=self.decode_attention,
+            decode_attention_batch=self.decode_attention_batch,
             linear=self.linear,
             silu_mul=self.silu_mul,
             rms_norm_1p=self.rms_norm_1p,

@@ -7,6 +7,9 @@ Shapes (one sequence, no batch dim):
       k, v hold rows 0..S-1 where S = start + T; query t sits at position start + t
       and sees keys 0..start + t (causal, bottom-right aligned).
   decode_attention(q [Hq, D], k [S, Hkv, D], v [S, Hkv, D], scale) -> [Hq, D]
+  decode_attention_batch(q [B, Hq, D], ks [S_b, Hkv, D] * B, vs, scale) -> [B, Hq, D]
+      the decode steps of B sequences in one call, row b the same bits as
+      decode_attention(q[b], ks[b], vs[b], scale) (default: that loop)
   linear(x [..., K], weight [N, K], bias [N] | None) -> [..., N]   (torch.nn.functional.linear)
   silu_mul(gate [..., I], up [..., I]) -> [..., I]   (silu(gate) * up)
   rms_norm_1p(x [..., D], scale [D] float32, eps) -> [..., D]   (Qwen3.5: scale = 1 + weight)
@@ -35,7 +38,7 @@ for prefill and decode, the token-serial delta rule.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -43,6 +46,19 @@ import torch.nn.functional as F
 
 from keepwarm.kernels import reference
 from keepwarm.kernels.delta_rule import DeltaRuleFn, chunk_gated_delta_rule, recurrent_gated_delta_rule
+
+DecodeBatchFn = Callable[[torch.Tensor, Sequence[torch.Tensor], Sequence[torch.Tensor], float], torch.Tensor]
+
+
+def decode_each(
+    q: torch.Tensor,
+    ks: Sequence[torch.Tensor],
+    vs: Sequence[torch.Tensor],
+    scale: float,
+    decode_attention: Callable[..., torch.Tensor] = reference.decode_attention,
+) -> torch.Tensor:
+    """decode_attention_batch as one decode_attention call per sequence (the default)."""
+    return torch.stack([decode_attention(qb, k, v, scale) for qb, k, v in zip(q, ks, vs, strict=True)])
 
 
 @dataclass(frozen=True)
@@ -65,6 +81,15 @@ class Ops:
     delta_rule_prefill: DeltaRuleFn = chunk_gated_delta_rule
     delta_rule_decode: DeltaRuleFn = recurrent_gated_delta_rule
     attention: Callable[..., torch.Tensor | None] = reference.no_kernel
+    decode_attention_batch: DecodeBatchFn = decode_each
+
+    def __post_init__(self) -> None:
+        # Without a batched kernel: a loop over this bundle's own decode_attention (rebound
+        # after replace(), so the loop always calls the bundle's current decode_attention).
+        batch = self.decode_attention_batch
+        if batch is decode_each or isinstance(batch, functools.partial) and batch.func is decode_each:
+            bound = functools.partial(decode_each, decode_attention=self.decode_attention)
+            object.__setattr__(self, "decode_attention_batch", bound)
 
 
 TORCH_OPS = Ops(
@@ -109,6 +134,7 @@ def cpu_ops(invariant: bool = True) -> Ops:
         rotary=reference.rotary,  # elementwise: invariant as it is
         prefill_attention=cpu_attention.prefill_attention,
         decode_attention=cpu_attention.decode_attention,
+        decode_attention_batch=cpu_attention.decode_attention_batch,
         linear=cpu_linear.linear,
         silu_mul=cpu_rowwise.silu_mul,
         rms_norm_1p=cpu_rowwise.rms_norm_1p,

@@ -23,6 +23,10 @@
 // out = o / l.
 // Rows share loads (8 rows per group) but never accumulators, and threads split heads and
 // row groups, never a row's keys.
+//
+//   decode_batch(q [B, Hq, D], [k_b [S_b, Hkv, D]], [v_b], scale) -> [B, Hq, D]: the decode
+//   steps of B sequences in one call (one parallel region over (sequence, kv head) pairs);
+//   row b is attention(q[b][None], k_b, v_b, scale)[0], the same bits.
 // Compiled with -mavx512f -mavx512bw -mavx512vl -ffp-contract=off.
 
 #include <ATen/Parallel.h>
@@ -46,6 +50,7 @@ using keepwarm::hsum16;
 
 constexpr int kTile = 16;  // keys per tile (one zmm of scores)
 constexpr int kRows = 8;   // query rows sharing each key-tile load
+constexpr int kPrefetchTiles = 2;  // staging prefetches the key/value rows of the tile this far ahead
 
 struct Shape {
   int64_t T, S, Hq, Hkv, G, D, DV, Spad, window;
@@ -100,7 +105,19 @@ void stage_head(const T* k, const T* v, int64_t rows, int64_t shift, int64_t npa
                 float* kt, float* vf) {
   const int64_t dp = s.DV * 16, row = s.Hkv * s.D;
   auto present = [&](int64_t i) { return i - shift >= 0 && i - shift < rows; };
+  const int64_t head_bytes = s.D * static_cast<int64_t>(sizeof(T));
   for (int64_t kb = 0; kb < npad; kb += kTile) {
+    // The head's slice of each key row is a short piece of a long row (a stride the hardware
+    // prefetcher does not follow): fetch the rows of a later tile while this one is staged.
+    const int64_t ahead = kb + kPrefetchTiles * kTile - shift;
+    for (int64_t i = std::max<int64_t>(0, ahead); i < std::min(rows, ahead + kTile); ++i) {
+      const char* kp = reinterpret_cast<const char*>(k + i * row + h * s.D);
+      const char* vp = reinterpret_cast<const char*>(v + i * row + h * s.D);
+      for (int64_t b = 0; b < head_bytes; b += 64) {
+        _mm_prefetch(kp + b, _MM_HINT_T0);
+        _mm_prefetch(vp + b, _MM_HINT_T0);
+      }
+    }
     for (int64_t d0 = 0; d0 < s.D; d0 += 16) {
       const int n = static_cast<int>(std::min<int64_t>(16, s.D - d0));
       __m512 r[16];
@@ -131,14 +148,19 @@ inline void update(float& m, float& l, __m512* o, __m512 sc, __mmask16 valid, co
   l = l * alpha + hsum16(p);
   m = m_new;
   const __m512 a = _mm512_set1_ps(alpha);
-  for (int dv = 0; dv < DV; ++dv) o[dv] = _mm512_mul_ps(o[dv], a);
+  // The row's output in locals through the tile (o may alias vr for the compiler: updated in
+  // place, every fused multiply-add would go through memory).
+  __m512 acc[DV];
+  for (int dv = 0; dv < DV; ++dv) acc[dv] = _mm512_mul_ps(o[dv], a);
   alignas(64) float w[kTile];
   _mm512_store_ps(w, p);
   for (int i = 0; i < kTile; ++i) {
     if (!((valid >> i) & 1)) continue;
     const __m512 wi = _mm512_set1_ps(w[i]);
-    for (int dv = 0; dv < DV; ++dv) o[dv] = _mm512_fmadd_ps(wi, _mm512_load_ps(vr + i * dp + dv * 16), o[dv]);
+    for (int dv = 0; dv < DV; ++dv)
+      acc[dv] = _mm512_fmadd_ps(wi, _mm512_load_ps(vr + i * dp + dv * 16), acc[dv]);
   }
+  for (int dv = 0; dv < DV; ++dv) o[dv] = acc[dv];
 }
 
 inline float first_lane(__m512 x) { return _mm512_cvtss_f32(x); }
@@ -266,53 +288,90 @@ GroupFn<T> group_for(int64_t dv) {
   return nullptr;
 }
 
+// The staging buffer of one kv head and the calls on it, for one attention call's shape.
 template <typename T>
-void run(const T* q, const T* k, const T* v, const T* xk, const T* xv, T* out, const Shape& s) {
-  const GroupFn<T> fn = group_for<T>(s.DV);
-  TORCH_CHECK(fn != nullptr, "cpu_attention: head_dim ", s.D, " is not supported");
-  const int64_t rows = s.T * s.G, groups = (rows + kRows - 1) / kRows;
-  // per head: window keys KT [D][Spad], VF [Spad][dp], then extra keys KT [D][Cpad], VF [Cpad][dp]
-  const int64_t kt_stride = s.D * s.Spad, vf_stride = s.Spad * s.DV * 16;
-  const int64_t x_stride = s.Cpad * (s.D + s.DV * 16), head = kt_stride + vf_stride + x_stride;
-  auto stage = [&](int64_t h, float* base) {
+struct Call {
+  const T *q, *k, *v, *xk, *xv;
+  T* out;
+  Shape s;
+  GroupFn<T> fn;
+  int64_t rows, groups, kt_stride, vf_stride, head;  // head: floats of one head's staging
+
+  Call(const T* q_, const T* k_, const T* v_, const T* xk_, const T* xv_, T* out_, const Shape& s_)
+      : q(q_), k(k_), v(v_), xk(xk_), xv(xv_), out(out_), s(s_), fn(group_for<T>(s_.DV)) {
+    TORCH_CHECK(fn != nullptr, "cpu_attention: head_dim ", s.D, " is not supported");
+    rows = s.T * s.G;
+    groups = (rows + kRows - 1) / kRows;
+    // per head: window keys KT [D][Spad], VF [Spad][dp], then extra keys KT [D][Cpad], VF [Cpad][dp]
+    kt_stride = s.D * s.Spad;
+    vf_stride = s.Spad * s.DV * 16;
+    head = kt_stride + vf_stride + s.Cpad * (s.D + s.DV * 16);
+  }
+  void stage(int64_t h, float* base) const {
     stage_head<T>(k, v, s.S, s.shift, s.Spad, s, h, base, base + kt_stride);
     if (s.Cpad > 0)
       stage_head<T>(xk, xv, s.C, 0, s.Cpad, s, h, base + kt_stride + vf_stride,
                     base + kt_stride + vf_stride + s.Cpad * s.D);
-  };
-  auto call = [&](float* base, int64_t h, int64_t r0) {
-    float* x = base + kt_stride + vf_stride;
+  }
+  void group_at(const float* base, int64_t h, int64_t r0) const {
+    const float* x = base + kt_stride + vf_stride;
     fn(q, base, base + kt_stride, x, x + s.Cpad * s.D, s, h, r0, std::min(rows, r0 + kRows), out);
-  };
-  // Staging buffers are reused across calls (a fresh multi-MiB allocation per decode step
-  // costs more in page faults than the attention itself); every element read is written.
-  auto buffer = [](std::vector<float>& buf, int64_t floats) {
-    if (buf.size() < static_cast<size_t>(floats) + 16) buf.resize(static_cast<size_t>(floats) + 16);
-    return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
-  };
+  }
+  // Head h whole: stage it and use it at once, while it is in L2.
+  void head_at(int64_t h, float* base) const {
+    stage(h, base);
+    for (int64_t r0 = 0; r0 < rows; r0 += kRows) group_at(base, h, r0);
+  }
+};
+
+// Staging buffers are reused across calls (a fresh multi-MiB allocation per decode step
+// costs more in page faults than the attention itself); every element read is written.
+inline float* buffer(std::vector<float>& buf, int64_t floats) {
+  if (buf.size() < static_cast<size_t>(floats) + 16) buf.resize(static_cast<size_t>(floats) + 16);
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+}
+
+template <typename T>
+void run(const Call<T>& c) {
+  const Shape& s = c.s;
   if (s.Hkv >= at::get_num_threads()) {
-    // Whole heads per thread: stage one head and use it at once, while it is in L2.
     at::parallel_for(0, s.Hkv, 1, [&](int64_t h0, int64_t h1) {
       static thread_local std::vector<float> local;
-      float* base = buffer(local, head);
-      for (int64_t h = h0; h < h1; ++h) {
-        stage(h, base);
-        for (int64_t r0 = 0; r0 < rows; r0 += kRows) call(base, h, r0);
-      }
+      float* base = buffer(local, c.head);
+      for (int64_t h = h0; h < h1; ++h) c.head_at(h, base);
     });
     return;
   }
   // Fewer heads than threads: stage every head, then split heads x row groups.
   static thread_local std::vector<float> shared;
-  float* all = buffer(shared, s.Hkv * head);
+  float* all = buffer(shared, s.Hkv * c.head);
   at::parallel_for(0, s.Hkv, 1, [&](int64_t h0, int64_t h1) {
-    for (int64_t h = h0; h < h1; ++h) stage(h, all + h * head);
+    for (int64_t h = h0; h < h1; ++h) c.stage(h, all + h * c.head);
   });
-  at::parallel_for(0, s.Hkv * groups, 1, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, s.Hkv * c.groups, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t h = i / groups, r0 = (i % groups) * kRows;
-      call(all + h * head, h, r0);
+      const int64_t h = i / c.groups, r0 = (i % c.groups) * kRows;
+      c.group_at(all + h * c.head, h, r0);
     }
+  });
+}
+
+// Calls of one kv head count (and dtype) in one parallel region over (call, head) pairs, in call
+// order (a thread reads neighbouring heads of the same key rows). Each pair runs as a head
+// of `run` does (the same functions on the same shape: the same bits).
+template <typename T>
+void run_batch(const std::vector<Call<T>>& calls) {
+  const int64_t B = static_cast<int64_t>(calls.size()), Hkv = calls[0].s.Hkv;
+  if (B * Hkv < at::get_num_threads()) {
+    for (const Call<T>& c : calls) run(c);
+    return;
+  }
+  int64_t head = 0;
+  for (const Call<T>& c : calls) head = std::max(head, c.head);
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
+    static thread_local std::vector<float> local;
+    float* base = buffer(local, head);
+    for (int64_t i = i0; i < i1; ++i) calls[i / Hkv].head_at(i % Hkv, base);
   });
 }
 
@@ -332,6 +391,31 @@ bool eligible(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   if (k.sizes() != v.sizes() || q.size(2) != k.size(2) || q.size(0) > k.size(0) || q.size(0) < 1) return false;
   if (k.size(1) < 1 || q.size(1) % k.size(1) != 0) return false;
   return padded_dv(q.size(2)) > 0;
+}
+
+// The shape of T query rows of Hq heads against k [S, Hkv, D] (no extra keys, no sinks).
+Shape shape_of(int64_t T, const at::Tensor& k, int64_t Hq, double scale, int64_t window, int64_t offset) {
+  Shape s;
+  s.T = T;
+  s.S = k.size(0);
+  s.Hq = Hq;
+  s.Hkv = k.size(1);
+  s.G = s.Hq / s.Hkv;
+  s.D = k.size(2);
+  s.DV = padded_dv(s.D);
+  s.shift = offset % kTile;
+  s.Spad = (s.shift + s.S + kTile - 1) / kTile * kTile;
+  s.window = window;
+  s.C = s.Cpad = 0;
+  s.scale = static_cast<float>(scale);
+  s.mask = nullptr;
+  s.sinks = nullptr;
+  return s;
+}
+
+template <typename T>
+T* ptr(const at::Tensor& t) {
+  return reinterpret_cast<T*>(t.data_ptr());
 }
 
 // attention for q [T, Hq, D] against k, v [S, Hkv, D]; None when not eligible.
@@ -365,36 +449,57 @@ c10::optional<at::Tensor> try_attention(const at::Tensor& q, const at::Tensor& k
     sinkc = sinks->contiguous();
   }
   const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
-  Shape s;
-  s.T = q.size(0);
-  s.S = k.size(0);
-  s.Hq = q.size(1);
-  s.Hkv = k.size(1);
-  s.G = s.Hq / s.Hkv;
-  s.D = q.size(2);
-  s.DV = padded_dv(s.D);
-  s.shift = offset % kTile;
-  s.Spad = (s.shift + s.S + kTile - 1) / kTile * kTile;
-  s.window = window;
+  Shape s = shape_of(q.size(0), k, q.size(1), scale, window, offset);
   s.C = has_extra ? xkc.size(0) : 0;
   s.Cpad = (s.C + kTile - 1) / kTile * kTile;
-  s.scale = static_cast<float>(scale);
   s.mask = has_extra ? reinterpret_cast<const uint8_t*>(maskc.data_ptr<bool>()) : nullptr;
   s.sinks = sinkc.defined() ? sinkc.data_ptr<float>() : nullptr;
   at::Tensor out = at::empty(q.sizes(), q.options());
   if (q.scalar_type() == at::kFloat) {
-    run<float>(qc.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(),
-               has_extra ? xkc.data_ptr<float>() : nullptr, has_extra ? xvc.data_ptr<float>() : nullptr,
-               out.data_ptr<float>(), s);
+    run(Call<float>(qc.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(),
+                    has_extra ? xkc.data_ptr<float>() : nullptr, has_extra ? xvc.data_ptr<float>() : nullptr,
+                    out.data_ptr<float>(), s));
   } else {
     using B = c10::BFloat16;
-    run<B>(reinterpret_cast<const B*>(qc.data_ptr<at::BFloat16>()),
-           reinterpret_cast<const B*>(kc.data_ptr<at::BFloat16>()),
-           reinterpret_cast<const B*>(vc.data_ptr<at::BFloat16>()),
-           has_extra ? reinterpret_cast<const B*>(xkc.data_ptr<at::BFloat16>()) : nullptr,
-           has_extra ? reinterpret_cast<const B*>(xvc.data_ptr<at::BFloat16>()) : nullptr,
-           reinterpret_cast<B*>(out.data_ptr<at::BFloat16>()), s);
+    run(Call<B>(ptr<B>(qc), ptr<B>(kc), ptr<B>(vc), has_extra ? ptr<B>(xkc) : nullptr,
+                has_extra ? ptr<B>(xvc) : nullptr, ptr<B>(out), s));
   }
+  return out;
+}
+
+// The decode steps of B sequences: q [B, Hq, D] (row b: sequence b's query) against k_b, v_b
+// [S_b, Hkv, D] (S_b >= 1; one dtype, Hkv and D for all) -> [B, Hq, D]; None when not eligible.
+c10::optional<at::Tensor> try_decode_batch(const at::Tensor& q, const std::vector<at::Tensor>& ks,
+                                           const std::vector<at::Tensor>& vs, double scale) {
+  const int64_t B = static_cast<int64_t>(ks.size());
+  if (B == 0 || vs.size() != ks.size() || q.dim() != 3 || q.size(0) != B) return c10::nullopt;
+  const at::Tensor qc = q.contiguous();
+  std::vector<at::Tensor> held;  // contiguous keys and values, alive until the kernel is done
+  held.reserve(2 * B);
+  for (int64_t b = 0; b < B; ++b) {
+    const at::Tensor &k = ks[b], &v = vs[b];
+    if (k.dim() != 3 || k.size(1) != ks[0].size(1) || !eligible(qc[b].unsqueeze(0), k, v))
+      return c10::nullopt;
+    held.push_back(k.contiguous());
+    held.push_back(v.contiguous());
+  }
+  at::Tensor out = at::empty(qc.sizes(), qc.options());
+  const int64_t step = qc.size(1) * qc.size(2);
+  auto run_as = [&](auto tag) {
+    using T = decltype(tag);
+    std::vector<Call<T>> calls;
+    calls.reserve(B);
+    for (int64_t b = 0; b < B; ++b) {
+      const at::Tensor &k = held[2 * b], &v = held[2 * b + 1];
+      calls.emplace_back(ptr<T>(qc) + b * step, ptr<T>(k), ptr<T>(v), nullptr, nullptr,
+                         ptr<T>(out) + b * step, shape_of(1, k, qc.size(1), scale, 0, 0));
+    }
+    run_batch(calls);
+  };
+  if (qc.scalar_type() == at::kFloat)
+    run_as(float{});
+  else
+    run_as(c10::BFloat16{});
   return out;
 }
 
@@ -406,4 +511,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("window") = 0, py::arg("offset") = 0,
         py::arg("extra_k") = py::none(), py::arg("extra_v") = py::none(), py::arg("extra_mask") = py::none(),
         py::arg("sinks") = py::none());
+  m.def("try_decode_batch", &try_decode_batch, "the decode attention of several sequences, or None",
+        py::arg("q"), py::arg("ks"), py::arg("vs"), py::arg("scale"));
 }

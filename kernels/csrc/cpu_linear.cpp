@@ -13,9 +13,11 @@
 // Threads split N (output columns), never K, so neither the thread count nor M changes a bit.
 //
 // Two paths, chosen by speed only (identical bits):
-//   - decode (M <= kStreamRows): one weight row at a time, a single sequential stream the
-//     hardware prefetcher follows, up to 4 token rows sharing each weight load (more rows:
-//     further passes over the row in L1). Bound by DRAM bandwidth.
+//   - decode (M <= kStreamRows): one weight row at a time, a single sequential stream,
+//     up to 4 token rows sharing each weight load (more rows: further passes over the row in
+//     L1); meanwhile the row kPrefetchBytes ahead is prefetched, spread over the passes, so
+//     DRAM and the arithmetic overlap. Bound by DRAM bandwidth at small M, by the arithmetic
+//     from M ~ 8.
 //   - prefill (M > kStreamRows): register tiles of kMr token rows x kNr weight rows, one chain
 //     at a time (its blocks are strided by 4 E elements), x panels blocked to stay in L2.
 //     Bound by arithmetic.
@@ -123,15 +125,30 @@ inline c10::BFloat16 store_value<c10::BFloat16>(float v) { return c10::BFloat16(
 
 // --- decode path: one weight row against up to 4 token rows --------------------------------
 
+constexpr int64_t kPrefetchBytes = 8192;  // how far ahead (at least one row) the weight is prefetched
+
+// The cache lines [pf, end) of a later weight row, `per` of them per block group, into L2:
+// the memory stream keeps going while this row's arithmetic runs (on its own, the hardware
+// prefetcher lets DRAM idle while a row is reused from L1 for more token rows).
+struct Prefetch {
+  const char* pf;
+  const char* end;
+  int per;
+  inline void step() {
+    for (int i = 0; i < per && pf < end; ++i, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
+  }
+};
+
 template <typename Kind, int M>
 inline void dot_row(const typename Kind::T* __restrict x, const typename Kind::T* __restrict w, int64_t K,
-                    float* sums) {
+                    float* sums, Prefetch& pf) {
   constexpr int E = Kind::E;
   __m512 acc[kChains][M];
   for (int u = 0; u < kChains; ++u)
     for (int m = 0; m < M; ++m) acc[u][m] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + E * kChains <= K; k += E * kChains) {
+    pf.step();
     for (int u = 0; u < kChains; ++u) {
       const auto wv = Kind::load(w + k + E * u);
       for (int m = 0; m < M; ++m) acc[u][m] = Kind::madd(acc[u][m], wv, Kind::load(x + m * K + k + E * u));
@@ -151,16 +168,27 @@ inline void dot_row(const typename Kind::T* __restrict x, const typename Kind::T
 
 constexpr int kGroup = 4;  // token rows sharing one weight load (kChains * kGroup zmm accumulators)
 
+// All M rows against weight row w; `next` (or null) is the row to prefetch meanwhile, spread
+// evenly over the passes' block groups.
 template <typename Kind>
 inline void dot_rows(const typename Kind::T* __restrict x, const typename Kind::T* __restrict w, int64_t M,
-                     int64_t K, float* sums) {
+                     int64_t K, float* sums, const typename Kind::T* next) {
+  const int64_t bytes = K * static_cast<int64_t>(sizeof(typename Kind::T));
+  const int64_t passes = (M + kGroup - 1) / kGroup, groups = K / (Kind::E * kChains);
+  const int64_t lines = (bytes + 63) / 64;
+  Prefetch pf{nullptr, nullptr, 0};
+  if (next != nullptr && groups > 0) {
+    pf.pf = reinterpret_cast<const char*>(next);
+    pf.end = pf.pf + lines * 64;
+    pf.per = static_cast<int>((lines + passes * groups - 1) / (passes * groups));
+  }
   int64_t m = 0;
-  for (; m + kGroup <= M; m += kGroup) dot_row<Kind, kGroup>(x + m * K, w, K, sums + m);
+  for (; m + kGroup <= M; m += kGroup) dot_row<Kind, kGroup>(x + m * K, w, K, sums + m, pf);
   switch (M - m) {
     case 0: return;
-    case 1: return dot_row<Kind, 1>(x + m * K, w, K, sums + m);
-    case 2: return dot_row<Kind, 2>(x + m * K, w, K, sums + m);
-    case 3: return dot_row<Kind, 3>(x + m * K, w, K, sums + m);
+    case 1: return dot_row<Kind, 1>(x + m * K, w, K, sums + m, pf);
+    case 2: return dot_row<Kind, 2>(x + m * K, w, K, sums + m, pf);
+    case 3: return dot_row<Kind, 3>(x + m * K, w, K, sums + m, pf);
   }
 }
 
@@ -170,8 +198,11 @@ template <typename Kind, typename Out>
 void stream_range(const typename Kind::T* x, const typename Kind::T* w, Bias<Kind> bias, Out* y, int64_t M,
                   int64_t N, int64_t K, int64_t n_begin, int64_t n_end) {
   float sums[kStreamRows];
+  const int64_t row_bytes = K * static_cast<int64_t>(sizeof(typename Kind::T));
+  const int64_t rows_ahead = std::max<int64_t>(1, kPrefetchBytes / row_bytes);
   for (int64_t n = n_begin; n < n_end; ++n) {
-    dot_rows<Kind>(x, w + n * K, M, K, sums);
+    const int64_t ahead = n + rows_ahead;
+    dot_rows<Kind>(x, w + n * K, M, K, sums, ahead < n_end ? w + ahead * K : nullptr);
     const float b = bias.at(n);
     for (int64_t m = 0; m < M; ++m) y[m * N + n] = store_value<Out>(sums[m] + b);
   }

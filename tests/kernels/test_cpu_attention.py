@@ -96,6 +96,48 @@ def test_offset_window_extra_keys_and_sinks_match_the_reference_and_any_chunking
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(16, 8, 64), (4, 2, 16), (2, 1, 100), (32, 2, 64), (8, 8, 128)])
+@pytest.mark.parametrize("batch", [1, 2, 5, 8])
+def test_decode_batch_rows_equal_each_sequence_decoded_alone(
+    dtype: torch.dtype, hq: int, hkv: int, d: int, batch: int
+) -> None:
+    """Each sequence of a batched decode step, with its own cache length (views of a larger
+    preallocated cache, as the engine holds them), is the same bits as its decode alone."""
+    g = torch.Generator().manual_seed(batch * 1000 + d)
+    lens = torch.randint(1, 200, (batch,), generator=g).tolist()
+    q = torch.randn(batch, hq, d, generator=g).to(dtype)
+    caches = [torch.randn(2, 256, hkv, d, generator=g).to(dtype) for _ in lens]
+    ks = [c[0, :n] for c, n in zip(caches, lens, strict=True)]
+    vs = [c[1, :n] for c, n in zip(caches, lens, strict=True)]
+    out = cpu_attention.decode_attention_batch(q, ks, vs, d**-0.5)
+    assert out.shape == (batch, hq, d) and out.dtype == dtype
+    for b in range(batch):
+        assert torch.equal(out[b], cpu_attention.decode_attention(q[b], ks[b], vs[b], d**-0.5)), (b, lens[b])
+    ref = reference.decode_attention(q[0].float(), ks[0].float(), vs[0].float(), d**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out[0].float(), ref, rtol=tol, atol=tol)
+
+
+def test_decode_batch_default_loops_over_the_bundles_decode_attention() -> None:
+    """A bundle without a batched kernel (torch, Triton) gets a loop over its own
+    decode_attention, also after dataclasses.replace swaps that op."""
+    from dataclasses import replace
+
+    from keepwarm.kernels.ops import TORCH_OPS
+
+    q, k, v = _qkv(9, 4, 2, 16, torch.float32, seed=3)
+    ks, vs = [k[:9], k[:4]], [v[:9], v[:4]]
+    out = TORCH_OPS.decode_attention_batch(q[:2], ks, vs, 0.25)
+    for b in range(2):
+        assert torch.equal(out[b], reference.decode_attention(q[b], ks[b], vs[b], 0.25))
+    doubled = replace(
+        TORCH_OPS, decode_attention=lambda q, k, v, s: 2 * reference.decode_attention(q, k, v, s)
+    )
+    assert torch.equal(doubled.decode_attention_batch(q[:2], ks, vs, 0.25), 2 * out)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window", [None, 5, 40])
 def test_window_and_sinks_agree_with_the_sliding_families_reference(
     dtype: torch.dtype, window: int | None
@@ -141,3 +183,5 @@ def test_fallbacks_are_the_references() -> None:
     assert torch.equal(
         cpu_attention.prefill_attention(q, k, v, 0.3), reference.prefill_attention(q, k, v, 0.3)
     )
+    batch = cpu_attention.decode_attention_batch(q[:2], [k, k[:3]], [v, v[:3]], 0.3)
+    assert torch.equal(batch[1], reference.decode_attention(q[1], k[:3], v[:3], 0.3))

@@ -8,6 +8,7 @@ State per layer: preallocated K and V rows, `layers.{i}.k` / `layers.{i}.v`
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -160,6 +161,7 @@ class DenseBackend:
         self.layers: list[_Layer] = weights["layers"]
         self.rope: Rope = build_rope(raw_cfg, cfg.head_dim, placement.first)
         self.scale = cfg.head_dim**-0.5
+        self._kv_names = [(f"layers.{i}.k", f"layers.{i}.v") for i in range(cfg.num_layers)]
         kv_shape = (-1, cfg.num_kv_heads, cfg.head_dim)
         specs = []
         for i in range(cfg.num_layers):
@@ -238,7 +240,8 @@ class DenseBackend:
         self, states: Sequence[State], chunks: Sequence[torch.Tensor], all_logits: bool = False
     ) -> torch.Tensor:
         """Advance each state by its chunk in one pass: the projections and the MLP run over
-        all T = sum(n_i) tokens; RoPE, the K/V write and attention per sequence.
+        all T = sum(n_i) tokens; RoPE, the K/V write and attention per sequence (the decoding
+        sequences' attention in one batched call).
         Logits [B, vocab] float32 (after each chunk's last token), or [T, vocab] with
         `all_logits` (one sequence only)."""
         c, ops = self.cfg, self.ops
@@ -247,6 +250,7 @@ class DenseBackend:
         for s, n in zip(states, lens, strict=True):
             assert n >= 1 and s.position + n <= s.capacity, f"state capacity {s.capacity} exceeded"
         t = sum(lens)
+        offs = list(itertools.accumulate(lens, initial=0))[:-1]  # sequence j's first row of the step
         tokens = torch.cat([ch.reshape(-1) for ch in chunks]).to(self.device)
         x = F.embedding(tokens, self.embed)
         if len(states) == 1:
@@ -269,23 +273,15 @@ class DenseBackend:
                 k = ops.rms_norm(k, layer.k_norm, c.rms_norm_eps)
             q = ops.rotary(q, cos, sin)
             k = ops.rotary(k, cos, sin)
-            outs = []
-            off = 0
-            for state, start, n in zip(states, starts, lens, strict=True):
-                end = start + n
-                k_cache, v_cache = state.tensors[f"layers.{i}.k"], state.tensors[f"layers.{i}.v"]
-                k_cache[start:end] = k[off : off + n]
-                v_cache[start:end] = v[off : off + n]
-                if n == 1:
-                    outs.append(
-                        ops.decode_attention(q[off], k_cache[:end], v_cache[:end], self.scale).unsqueeze(0)
-                    )
-                else:
-                    outs.append(
-                        ops.prefill_attention(q[off : off + n], k_cache[:end], v_cache[:end], self.scale)
-                    )
-                off += n
-            attn = outs[0] if len(outs) == 1 else torch.cat(outs)
+            keys, values = [], []  # each sequence's cache rows 0 .. start + n, its chunk written
+            k_name, v_name = self._kv_names[i]
+            for state, start, n, off in zip(states, starts, lens, offs, strict=True):
+                k_cache, v_cache = state.tensors[k_name][: start + n], state.tensors[v_name][: start + n]
+                k_cache[start:] = k[off : off + n]
+                v_cache[start:] = v[off : off + n]
+                keys.append(k_cache)
+                values.append(v_cache)
+            attn = self._attention(q, keys, values, lens, offs)
             x = x + ops.linear(attn.reshape(t, q_size), layer.w_o, layer.b_o)
             h = ops.rms_norm(x, layer.post_norm, c.rms_norm_eps)
             gate, up = ops.linear(h, layer.w_gate_up, layer.b_gate_up).chunk(2, dim=-1)
@@ -293,14 +289,43 @@ class DenseBackend:
         if all_logits:
             assert len(states) == 1, "all_logits is for one sequence"
         else:
-            last = torch.tensor(lens, device=x.device).cumsum(0) - 1
-            x = x[-1:] if len(states) == 1 else x[last]
+            x = x[-1:] if len(states) == 1 else x[[off + n - 1 for off, n in zip(offs, lens, strict=True)]]
         logits = ops.linear(ops.rms_norm(x, self.final_norm, c.rms_norm_eps), self.lm_head).float()
         rows = [logits[-1]] if all_logits else list(logits)
         for state, start, n, row in zip(states, starts, lens, rows, strict=True):
             state.position = start + n
             state.logits = row
         return logits
+
+    def _attention(
+        self,
+        q: torch.Tensor,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        lens: list[int],
+        offs: list[int],
+    ) -> torch.Tensor:
+        """Attention of the step's T query rows q [T, Hq, D], sequence j's rows offs[j] ..
+        offs[j] + lens[j] against keys[j], values[j]: the one-token (decoding) sequences in one
+        batched call, each prefill chunk on its own. [T, Hq, D]."""
+        ops = self.ops
+        decoding = [j for j, n in enumerate(lens) if n == 1]
+        if len(decoding) == len(lens):  # a decode step: q's rows are the sequences' queries
+            return ops.decode_attention_batch(q, keys, values, self.scale)
+        decoded: dict[int, torch.Tensor] = {}
+        if decoding:
+            batch = ops.decode_attention_batch(
+                q[[offs[j] for j in decoding]],
+                [keys[j] for j in decoding],
+                [values[j] for j in decoding],
+                self.scale,
+            )
+            decoded = dict(zip(decoding, batch.split(1), strict=True))
+        outs = [
+            decoded[j] if n == 1 else ops.prefill_attention(q[off : off + n], keys[j], values[j], self.scale)
+            for j, (n, off) in enumerate(zip(lens, offs, strict=True))
+        ]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def _identity(position: int) -> int:
