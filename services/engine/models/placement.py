@@ -203,7 +203,7 @@ class Placement:
     def ops(self, use_triton: bool | None = None, deterministic: bool = True) -> Ops:
         """The hot ops for every stage: one device kind's bundle, or one that picks by the
         device of each call's first tensor (a GPU stage and a CPU stage). `deterministic`:
-        the batch- and chunk-invariant CPU kernels (kernels/ops.py)."""
+        the batch- and chunk-invariant bundles, CPU and Triton (kernels/ops.py)."""
         return self.per_device(lambda d: ops_for(d, use_triton, invariant=deterministic))
 
     def sliding_attention(self, use_triton: bool | None = None) -> SlidingAttentionOps:
