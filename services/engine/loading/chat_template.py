@@ -68,7 +68,9 @@ class ChatPrompt:
     boundaries: list[int]
     # The next turn's prompt (these messages, the reply, one more user message) starts with
     # all of `tokens`: the generation prompt is how the reply's own turn is rendered, so a
-    # snapshot at the end of the prompt also serves the next turn.
+    # snapshot at the end of the prompt also serves the next turn (probed with a reply that
+    # starts with a letter: one whose first characters merge with the prompt's last token,
+    # e.g. a leading newline under byte-level BPE, breaks it for that turn).
     extends_to_next_turn: bool = False
 
 
