@@ -143,68 +143,12 @@ def triton_gated_delta_rule(
     beta: torch.Tensor,
     state: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused recurrent Triton kernel; same contract as `recurrent_gated_delta_rule`.
-    Normalization (L2, q scale) happens here in torch, in float32, as in the reference."""
-    import triton
+    """Fused recurrent Triton kernel; same contract as `recurrent_gated_delta_rule`: the
+    invariant bundle's token-serial kernel (kernels/triton_invariant.py, normalization in the
+    kernel), one program per (value head, Dv block), the state in registers."""
+    from keepwarm.kernels import triton_invariant
 
-    qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta)  # heads first, float32, contiguous
-    hv, t, dk = kf.shape
-    dv = vf.shape[-1]
-    s = state.to(torch.float32).contiguous().clone()  # updated in place by the kernel
-    out = torch.empty_like(vf)
-    block_k = triton.next_power_of_2(dk)
-    block_v = min(triton.next_power_of_2(dv), 64)
-    grid = (hv, triton.cdiv(dv, block_v))
-    _kernel()[grid](qf, kf, vf, gf, bf, s, out, t, dk, dv, BLOCK_K=block_k, BLOCK_V=block_v)
-    return out.transpose(0, 1).to(q.dtype).contiguous(), s
-
-
-@functools.cache
-def _kernel():  # type: ignore[no-untyped-def]
-    """The jitted kernel, defined on first use: importing this module never needs Triton, and
-    TRITON_INTERPRET (read when the kernel is decorated) may be set after import."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def gated_delta_rule_fwd(
-        q_ptr,  # [Hv, T, Dk]
-        k_ptr,  # [Hv, T, Dk]
-        v_ptr,  # [Hv, T, Dv]
-        g_ptr,  # [Hv, T]
-        beta_ptr,  # [Hv, T]
-        s_ptr,  # [Hv, Dk, Dv], in: initial state, out: final state
-        o_ptr,  # [Hv, T, Dv]
-        T,
-        DK,
-        DV,
-        BLOCK_K: tl.constexpr,
-        BLOCK_V: tl.constexpr,
-    ):
-        h = tl.program_id(0)
-        vb = tl.program_id(1)
-        offs_k = tl.arange(0, BLOCK_K)
-        offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
-        mask_k = offs_k < DK
-        mask_v = offs_v < DV
-        mask_s = mask_k[:, None] & mask_v[None, :]
-        s_ptrs = s_ptr + h * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
-        s = tl.load(s_ptrs, mask=mask_s, other=0.0)  # [BLOCK_K, BLOCK_V]: this head's columns
-        for t in range(T):
-            q_t = tl.load(q_ptr + (h * T + t) * DK + offs_k, mask=mask_k, other=0.0)
-            k_t = tl.load(k_ptr + (h * T + t) * DK + offs_k, mask=mask_k, other=0.0)
-            v_t = tl.load(v_ptr + (h * T + t) * DV + offs_v, mask=mask_v, other=0.0)
-            g_t = tl.load(g_ptr + h * T + t)
-            b_t = tl.load(beta_ptr + h * T + t)
-            s = s * tl.exp(g_t)
-            kv_mem = tl.sum(s * k_t[:, None], axis=0)  # [BLOCK_V]
-            delta = (v_t - kv_mem) * b_t
-            s = s + k_t[:, None] * delta[None, :]
-            o_t = tl.sum(s * q_t[:, None], axis=0)
-            tl.store(o_ptr + (h * T + t) * DV + offs_v, o_t, mask=mask_v)
-        tl.store(s_ptrs, s, mask=mask_s)
-
-    return gated_delta_rule_fwd
+    return triton_invariant.gated_delta_rule(q, k, v, g, beta, state)
 
 
 def triton_chunk_gated_delta_rule(
