@@ -45,10 +45,9 @@ import triton.language as tl
 
 from keepwarm.kernels import reference, triton_ops
 from keepwarm.kernels.ops import Ops
-from keepwarm.kernels.triton_ops import _check_dtype, _round
+from keepwarm.kernels.triton_ops import _block, _check_dtype, _dot_precision, _round
 
 _LOG2E = 1.4426950408889634
-_MIN_DOT = 16  # smallest tile side tl.dot accepts on a GPU
 
 # linear tiles (BLOCK_M, BLOCK_N, BLOCK_K) per dtype: fixed, whatever M is.
 _LINEAR_TILES: dict[torch.dtype, tuple[int, int, int]] = {
@@ -64,12 +63,6 @@ _NUM_STAGES = 2
 _SOFTMAX_MAX_BLOCK = 1024
 _CONV_BLOCK_L = 64
 _DELTA_MAX_BLOCK_V = 64
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    # fp32 operands must not drop to tf32 on a GPU (the reference is exact fp32); the
-    # setting is ignored for 16-bit operands.
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def _launch_opts() -> dict[str, int]:
@@ -530,8 +523,8 @@ def attention(
         HAS_SINKS=sinks is not None,
         BLOCK_M=_ATTN_BLOCK_M,
         BLOCK_N=_ATTN_BLOCK_N,
-        BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(d)),
-        BLOCK_DV=max(_MIN_DOT, triton.next_power_of_2(dv)),
+        BLOCK_D=_block(d),
+        BLOCK_DV=_block(dv),
         DOT_PRECISION=_dot_precision(q.dtype),
         NATIVE_DOT=q.is_cuda,
         **_launch_opts(),
