@@ -245,13 +245,13 @@ class _Kernels:
 
 @functools.cache
 def _kernels() -> _Kernels:  # type: ignore[no-untyped-def]
-    # The kernels call the shared fp32 -> 16-bit rounding helper; the interpreter resolves
+    # The kernels call the shared rounding and online-softmax helpers; the interpreter resolves
     # names in the module's globals (not closures), so it is bound there.
-    global _round
+    global _round, _softmax_tile
     import triton
     import triton.language as tl
 
-    from keepwarm.kernels.triton_ops import _round
+    from keepwarm.kernels.triton_ops import _round, _softmax_tile
 
     @triton.jit
     def prefill_kernel(
@@ -304,17 +304,7 @@ def _kernels() -> _Kernels:  # type: ignore[no-untyped-def]
             if HAS_WINDOW:
                 visible = visible & (cols[None, :] > q_pos[:, None] - WINDOW)
             s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            p_v = _round(p, v.dtype)
-            if NATIVE_DOT:
-                pv = tl.dot(p_v, v, input_precision=DOT_PRECISION)
-            else:
-                pv = tl.dot(p_v.to(tl.float32), v.to(tl.float32), input_precision=DOT_PRECISION)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            m_i, l_i, acc = _softmax_tile(s, m_i, l_i, acc, v, NATIVE_DOT, DOT_PRECISION)
         out = acc / l_i[:, None]
         tl.store(
             out_ptr + q_offs, _round(out, out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :]
@@ -355,12 +345,7 @@ def _kernels() -> _Kernels:  # type: ignore[no-untyped-def]
             v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
             s = tl.where(cmask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            m_i = m_new
+            m_i, l_i, acc = _softmax_tile(s, m_i, l_i, acc, v, True, "ieee")  # fp32 V: P unrounded
         stat_offs = heads * NUM_SPLITS + split
         tl.store(m_ptr + stat_offs, m_i, mask=gmask)
         tl.store(l_ptr + stat_offs, l_i, mask=gmask)

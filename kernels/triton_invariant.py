@@ -45,7 +45,7 @@ import triton.language as tl
 
 from keepwarm.kernels import reference, triton_ops
 from keepwarm.kernels.ops import Ops
-from keepwarm.kernels.triton_ops import _block, _check_dtype, _dot_precision, _round
+from keepwarm.kernels.triton_ops import _block, _check_dtype, _dot_precision, _round, _softmax_tile
 
 _LOG2E = 1.4426950408889634
 
@@ -372,17 +372,7 @@ def _attention_kernel(
         in_window = (WINDOW == 0) | (k_pos[None, :] > q_pos[:, None] - WINDOW)
         visible = kmask[None, :] & (k_pos[None, :] <= q_pos[:, None]) & in_window
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        p_v = _round(p, v.dtype)  # P in V's dtype for the second product (flash convention)
-        if NATIVE_DOT:
-            pv = tl.dot(p_v, v, input_precision=DOT_PRECISION)
-        else:
-            pv = tl.dot(p_v.to(tl.float32), v.to(tl.float32), input_precision=DOT_PRECISION)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = _softmax_tile(s, m_i, l_i, acc, v, NATIVE_DOT, DOT_PRECISION)
 
     if HAS_EXTRA:
         # Extra keys (compressed rows), in tiles from extra row 0, visible where xmask[t, c].
@@ -408,17 +398,7 @@ def _attention_kernel(
                 other=0,
             )
             s = tl.where(seen != 0, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            p_v = _round(p, v.dtype)
-            if NATIVE_DOT:
-                pv = tl.dot(p_v, v, input_precision=DOT_PRECISION)
-            else:
-                pv = tl.dot(p_v.to(tl.float32), v.to(tl.float32), input_precision=DOT_PRECISION)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            m_i, l_i, acc = _softmax_tile(s, m_i, l_i, acc, v, NATIVE_DOT, DOT_PRECISION)
 
     if HAS_SINKS:
         # One more logit per head in the denominator only, last.

@@ -55,6 +55,25 @@ def _round(x, ty: tl.constexpr):
         return x.to(ty)
 
 
+@triton.jit
+def _softmax_tile(s, m_i, l_i, acc, v, NATIVE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step over a key tile, exp2 domain: scores s [M, N] fp32 (-inf where
+    not visible), running max m_i and sum l_i [M], output acc [M, Dv] fp32, values v [N, Dv].
+    P is rounded to V's dtype for the second product (the flash-attention convention; a no-op
+    for fp32 V). NATIVE_DOT off (the CPU interpreter, whose dot cannot multiply bf16): the
+    operands are upcast first, the same exact products. Returns (m, l, acc)."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    p_v = _round(p, v.dtype)
+    if NATIVE_DOT:
+        pv = tl.dot(p_v, v, input_precision=DOT_PRECISION)
+    else:
+        pv = tl.dot(p_v.to(tl.float32), v.to(tl.float32), input_precision=DOT_PRECISION)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
 # --------------------------------------------------------------------------- RMSNorm
 
 
@@ -226,18 +245,7 @@ def _prefill_attention_kernel(
         s = s * qk_scale
         visible = (cols[None, :] <= q_pos[:, None]) & (cols[None, :] < S)
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        # P is rounded to V's dtype for the second matmul (flash-attention convention).
-        p_v = _round(p, v.dtype)
-        if NATIVE_DOT:
-            pv = tl.dot(p_v, v, input_precision=DOT_PRECISION)
-        else:
-            pv = tl.dot(p_v.to(tl.float32), v.to(tl.float32), input_precision=DOT_PRECISION)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = _softmax_tile(s, m_i, l_i, acc, v, NATIVE_DOT, DOT_PRECISION)
 
     out = acc / l_i[:, None]
     tl.store(out_ptr + q_offs, _round(out, out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
@@ -351,12 +359,7 @@ def _decode_partial_kernel(
         v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [G, N]
         s = tl.where(cmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        m_i = m_new
+        m_i, l_i, acc = _softmax_tile(s, m_i, l_i, acc, v, True, "ieee")  # fp32 V: P unrounded
 
     stat_offs = heads * NUM_SPLITS + split  # [G]
     tl.store(m_ptr + stat_offs, m_i, mask=gmask)
