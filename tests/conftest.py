@@ -37,51 +37,39 @@ def device(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
+def _tiny_model(tmp_path_factory: pytest.TempPathFactory, family: str) -> Path:
+    from keepwarm.engine.demo.demo_model import make_demo_model
+
+    path = tmp_path_factory.mktemp("models") / f"tiny-{family}"
+    make_demo_model(path, family=family, seed=0, size="tiny")
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_dense_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny qwen3 demo checkpoint with a real BPE tokenizer and ChatML template."""
-    from keepwarm.engine.demo.demo_model import make_demo_model
-
-    path = tmp_path_factory.mktemp("models") / "tiny-dense"
-    make_demo_model(path, family="dense", seed=0, size="tiny")
-    return path
+    return _tiny_model(tmp_path_factory, "dense")
 
 
 @pytest.fixture(scope="session")
 def tiny_hybrid_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny qwen3_5 (Gated DeltaNet + gated attention) demo checkpoint."""
-    from keepwarm.engine.demo.demo_model import make_demo_model
-
-    path = tmp_path_factory.mktemp("models") / "tiny-hybrid"
-    make_demo_model(path, family="hybrid", seed=0, size="tiny")
-    return path
+    return _tiny_model(tmp_path_factory, "hybrid")
 
 
 @pytest.fixture(scope="session")
 def tiny_deepseek_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny deepseek_v4 (sliding window + CSA/HCA compressed attention, mHC) demo checkpoint."""
-    from keepwarm.engine.demo.demo_model import make_demo_model
-
-    path = tmp_path_factory.mktemp("models") / "tiny-deepseek_v4"
-    make_demo_model(path, family="deepseek_v4", seed=0, size="tiny")
-    return path
+    return _tiny_model(tmp_path_factory, "deepseek_v4")
 
 
 @pytest.fixture(scope="session")
 def tiny_laguna_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny laguna (full + sliding-window layers, gated attention, MoE) demo checkpoint."""
-    from keepwarm.engine.demo.demo_model import make_demo_model
-
-    path = tmp_path_factory.mktemp("models") / "tiny-laguna"
-    make_demo_model(path, family="laguna", seed=0, size="tiny")
-    return path
+    return _tiny_model(tmp_path_factory, "laguna")
 
 
 @pytest.fixture(scope="session")
 def tiny_gpt_oss_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny gpt_oss (full + sliding-window layers with sinks, MoE) demo checkpoint."""
-    from keepwarm.engine.demo.demo_model import make_demo_model
-
-    path = tmp_path_factory.mktemp("models") / "tiny-gpt_oss"
-    make_demo_model(path, family="gpt_oss", seed=0, size="tiny")
-    return path
+    return _tiny_model(tmp_path_factory, "gpt_oss")

@@ -39,19 +39,24 @@ using keepwarm::store_ps;
 inline __m512 round_to(__m512 x, const float*) { return x; }
 inline __m512 round_to(__m512 x, const uint16_t*) { return keepwarm::bf16x16_to_ps(keepwarm::ps_to_bf16x16(x)); }
 
+// 1 / sqrt(mean(x^2) + eps) of one row: 16 lanes of fused squares in d order, then hsum16.
+template <typename T>
+inline float inv_rms(const T* xr, int64_t D, float eps) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512 v = load_ps(xr + d, static_cast<int>(std::min<int64_t>(16, D - d)));
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  return 1.0f / std::sqrt(keepwarm::hsum16(acc) / static_cast<float>(D) + eps);
+}
+
 template <typename T>
 void rms_norm_rows(const T* x, int64_t x_stride, const T* w, T* y, int64_t rows, int64_t D, float eps) {
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / D), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* xr = x + r * x_stride;
       T* yr = y + r * D;
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t d = 0; d < D; d += 16) {
-        const __m512 v = load_ps(xr + d, static_cast<int>(std::min<int64_t>(16, D - d)));
-        acc = _mm512_fmadd_ps(v, v, acc);
-      }
-      const float inv = 1.0f / std::sqrt(keepwarm::hsum16(acc) / static_cast<float>(D) + eps);
-      const __m512 iv = _mm512_set1_ps(inv);
+      const __m512 iv = _mm512_set1_ps(inv_rms(xr, D, eps));
       for (int64_t d = 0; d < D; d += 16) {
         const int n = static_cast<int>(std::min<int64_t>(16, D - d));
         const __m512 normed = round_to(_mm512_mul_ps(load_ps(xr + d, n), iv), xr);
@@ -144,13 +149,7 @@ void rms_norm_1p_rows(const T* x, int64_t x_stride, const float* s, T* y, int64_
     for (int64_t r = r0; r < r1; ++r) {
       const T* xr = x + r * x_stride;
       T* yr = y + r * D;
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t d = 0; d < D; d += 16) {
-        const __m512 v = load_ps(xr + d, static_cast<int>(std::min<int64_t>(16, D - d)));
-        acc = _mm512_fmadd_ps(v, v, acc);
-      }
-      const float inv = 1.0f / std::sqrt(keepwarm::hsum16(acc) / static_cast<float>(D) + eps);
-      const __m512 iv = _mm512_set1_ps(inv);
+      const __m512 iv = _mm512_set1_ps(inv_rms(xr, D, eps));
       for (int64_t d = 0; d < D; d += 16) {
         const int n = static_cast<int>(std::min<int64_t>(16, D - d));
         store_ps(yr + d, _mm512_mul_ps(_mm512_mul_ps(load_ps(xr + d, n), iv), load_ps(s + d, n)), n);

@@ -41,22 +41,6 @@ _FIXTURE = {
 LOGITS_ATOL = 1e-5  # chunked vs one-shot prefill of the same tokens; observed <= 2e-7 here
 
 
-@pytest.fixture(scope="session")
-def tiny_laguna_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny laguna (sliding window 16 + full attention, per-layer heads, MoE) demo checkpoint."""
-    from keepwarm.engine.demo.demo_model import make_demo_model
-
-    return make_demo_model(tmp_path_factory.mktemp("models") / "tiny-laguna", "laguna", 0, "tiny")
-
-
-@pytest.fixture(scope="session")
-def tiny_gpt_oss_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny gpt_oss (alternating sliding window 16 / full attention with sinks, MoE) demo checkpoint."""
-    from keepwarm.engine.demo.demo_model import make_demo_model
-
-    return make_demo_model(tmp_path_factory.mktemp("models") / "tiny-gpt_oss", "gpt_oss", 0, "tiny")
-
-
 @pytest.fixture(scope="module", params=FAMILIES)
 def family_model(request: pytest.FixtureRequest) -> tuple[str, Path]:
     return request.param, request.getfixturevalue(_FIXTURE[request.param])

@@ -98,13 +98,12 @@ class Scheduler:
         alongside). Cost: one comparison of at most a prompt's length per running sequence."""
         if not seq.policy.enabled or seq.num_preemptions or seq.parked is not None:
             return False
-        prompt = seq.tokens[: seq.num_prompt_tokens]
         for other in self.running:
             if not other.prefilling or other.salt != seq.salt:
                 continue
-            pending = [p for p in other.save_points if other.position < p <= len(prompt)]
-            if pending and prompt[: pending[0]] == other.tokens[: pending[0]]:
-                return cached_depth(seq) < pending[0]
+            p = next((p for p in other.save_points if other.position < p <= seq.num_prompt_tokens), None)
+            if p is not None and seq.tokens[:p] == other.tokens[:p]:
+                return cached_depth(seq) < p
         return False
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
