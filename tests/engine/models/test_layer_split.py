@@ -28,7 +28,6 @@ from keepwarm.engine.models import build_backend
 from keepwarm.engine.models.backend import Backend
 from keepwarm.engine.models.placement import LayerSplit, Placement, PlacementError
 from tests.engine.test_engine import SYSTEM, USER_TURNS, _cfg, _req
-from tests.engine.test_engine_families import tiny_gpt_oss_model, tiny_laguna_model  # noqa: F401 (fixtures)
 
 FAMILIES = ("dense", "qwen3_5", "deepseek_v4", "laguna", "gpt_oss")
 _FIXTURE = {
