@@ -22,6 +22,10 @@ Shapes (one sequence, no batch dim):
       masked extra keys, sinks); None where the bundle has no such kernel (use torch)
   delta_rule_prefill / delta_rule_decode: the gated delta rule (kernels/delta_rule.py's contract)
       for a chunk of many tokens / one token
+  decode_attention_table(q [B, Hq, D], k_table [B], v_table [B], positions [B], scale, num_kv_heads)
+      -> [B, Hq, D] and write_rows(rows [B, ...], table [B], positions [B]): decode over caches
+      named by address (int64 data_ptr tables) with positions read on the device, so a CUDA
+      graph can capture a decode step; None where the bundle has none (kernels/triton_invariant.py)
 Hq is a multiple of Hkv (GQA/MQA).
 
 Invariant mode (the CPU default): every op's result for a row (a token, a query) is the
@@ -82,6 +86,8 @@ class Ops:
     delta_rule_decode: DeltaRuleFn = recurrent_gated_delta_rule
     attention: Callable[..., torch.Tensor | None] = reference.no_kernel
     decode_attention_batch: DecodeBatchFn = decode_each
+    decode_attention_table: Callable[..., torch.Tensor] | None = None
+    write_rows: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
 
     def __post_init__(self) -> None:
         # Without a batched kernel: a loop over this bundle's own decode_attention (rebound

@@ -297,6 +297,7 @@ def _attention_kernel(
     xmask_ptr,
     sink_ptr,
     out_ptr,
+    pos_ptr,
     T,
     S,
     C,
@@ -309,6 +310,7 @@ def _attention_kernel(
     qk_scale,
     HAS_EXTRA: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    TABLE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -322,9 +324,25 @@ def _attention_kernel(
     # kvh * G + r % G. Query t sits at absolute position p = OFFSET + S - T + t, key row i at
     # OFFSET + i; p sees keys max(OFFSET, p - WINDOW + 1) .. p (WINDOW 0: from OFFSET).
     # Exp2 domain: qk_scale holds scale * log2(e).
-    pid_m = tl.program_id(0)
+    # TABLE: one decode query per sequence b of a batch whose caches sit anywhere (no host
+    # value depends on the batch, so a CUDA graph can replay it): grid axis 0 is (b, row
+    # block); k_ptr / v_ptr hold each sequence's cache address [B] int64, pos_ptr its query's
+    # position [B] int64 (S = position + 1 rows), q [B, HQ, D], out [B, HQ, DV]. Everything
+    # after this block is the same code, so row b has the bits of that query alone.
     kvh = tl.program_id(1)
     g = HQ // HKV
+    if TABLE:
+        num_blocks = tl.cdiv(g, BLOCK_M)
+        b = tl.program_id(0) // num_blocks
+        pid_m = tl.program_id(0) % num_blocks
+        k_ptr = tl.load(k_ptr + b).to(tl.pointer_type(q_ptr.dtype.element_ty))
+        v_ptr = tl.load(v_ptr + b).to(tl.pointer_type(q_ptr.dtype.element_ty))
+        q_ptr += b.to(tl.int64) * HQ * D
+        out_ptr += b.to(tl.int64) * HQ * DV
+        S = tl.load(pos_ptr + b).to(tl.int32) + 1
+        T = 1
+    else:
+        pid_m = tl.program_id(0)
     r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = r < T * g
     t = r // g
@@ -416,6 +434,20 @@ def _attention_kernel(
     )
 
 
+def _attention_tiles(q: torch.Tensor, d: int, dv: int) -> dict[str, object]:
+    """The attention kernel's tiles and launch options: one set for every call (prefill,
+    decode, address-table decode), so each reduces a row's keys the same way."""
+    return {
+        "BLOCK_M": _ATTN_BLOCK_M,
+        "BLOCK_N": _ATTN_BLOCK_N,
+        "BLOCK_D": _block(d),
+        "BLOCK_DV": _block(dv),
+        "DOT_PRECISION": _dot_precision(q.dtype),
+        "NATIVE_DOT": q.is_cuda,
+        **_launch_opts(),
+    }
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -489,6 +521,7 @@ def attention(
         xm,
         sk,
         out,
+        qc,  # no position table
         t_len,
         s_len,
         c_len,
@@ -501,13 +534,8 @@ def attention(
         float(scale) * _LOG2E,
         HAS_EXTRA=has_extra,
         HAS_SINKS=sinks is not None,
-        BLOCK_M=_ATTN_BLOCK_M,
-        BLOCK_N=_ATTN_BLOCK_N,
-        BLOCK_D=_block(d),
-        BLOCK_DV=_block(dv),
-        DOT_PRECISION=_dot_precision(q.dtype),
-        NATIVE_DOT=q.is_cuda,
-        **_launch_opts(),
+        TABLE=False,
+        **_attention_tiles(q, d, dv),
     )
     return out
 
@@ -525,6 +553,105 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     if k.shape[0] == 0:
         raise ValueError("decode_attention: k/v are empty; decode needs at least one cached row")
     return attention(q.unsqueeze(0), k, v, scale)[0]
+
+
+def _check_table(
+    name: str, q: torch.Tensor, tables: tuple[torch.Tensor, ...], positions: torch.Tensor
+) -> int:
+    """B, after checking that every per-sequence table is [B] int64, contiguous, on q's device."""
+    b = q.shape[0]
+    for t in (*tables, positions):
+        if t.shape != (b,) or t.dtype != torch.int64 or t.device != q.device or not t.is_contiguous():
+            raise ValueError(
+                f"{name}: address and position tables must be contiguous [{b}] int64 on {q.device}; "
+                f"got {tuple(t.shape)} {t.dtype} on {t.device}"
+            )
+    return b
+
+
+def decode_attention_table(
+    q: torch.Tensor,
+    k_table: torch.Tensor,
+    v_table: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """The decode attention of B sequences whose caches sit anywhere: q [B, Hq, D]; k_table[b] /
+    v_table[b] the address (data_ptr) of sequence b's contiguous cache rows [>= p_b + 1,
+    num_kv_heads, D] in q's dtype; positions [B] int64, p_b the query's position, so it sees
+    rows 0 .. p_b. -> [B, Hq, D]. Row b has the bits of decode_attention(q[b], k_b[: p_b + 1],
+    v_b[: p_b + 1]): the same kernel. Nothing here reads a device value on the host, so a CUDA
+    graph can capture the call and replay it for other caches, positions and lengths."""
+    _check_dtype("decode_attention_table q", q)
+    b = _check_table("decode_attention_table", q, (k_table, v_table), positions)
+    hq, d = q.shape[1], q.shape[2]
+    if q.dim() != 3 or num_kv_heads <= 0 or hq % num_kv_heads != 0:
+        raise ValueError(
+            f"decode_attention_table: q {tuple(q.shape)} must be [B, Hq, D] with Hq a multiple of "
+            f"num_kv_heads {num_kv_heads}"
+        )
+    out = torch.empty_like(q)
+    if b == 0:
+        return out
+    qc = q.contiguous()
+    g = hq // num_kv_heads
+    grid = (b * triton.cdiv(g, _ATTN_BLOCK_M), num_kv_heads)
+    _attention_kernel[grid](
+        qc,
+        k_table,
+        v_table,
+        qc,
+        qc,
+        qc,
+        qc,
+        out,
+        positions,
+        1,
+        1,  # S and T are read per sequence from `positions`
+        0,
+        hq,
+        num_kv_heads,
+        d,
+        d,
+        0,
+        0,
+        float(scale) * _LOG2E,
+        HAS_EXTRA=False,
+        HAS_SINKS=False,
+        TABLE=True,
+        **_attention_tiles(q, d, d),
+    )
+    return out
+
+
+@triton.jit
+def _write_rows_kernel(src_ptr, table_ptr, pos_ptr, ROW, BLOCK: tl.constexpr):
+    # Grid (B, cdiv(ROW, BLOCK)): src [B, ROW] contiguous; row b goes to row pos[b] of the
+    # [*, ROW] buffer at address table[b].
+    b = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < ROW
+    dst = tl.load(table_ptr + b).to(tl.pointer_type(src_ptr.dtype.element_ty))
+    pos = tl.load(pos_ptr + b)
+    row = tl.load(src_ptr + b.to(tl.int64) * ROW + offs, mask=mask)
+    tl.store(dst + pos * ROW + offs, row, mask=mask)
+
+
+_WRITE_BLOCK = 1024
+
+
+def write_rows(rows: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) -> None:
+    """rows [B, ...] -> row positions[b] of the contiguous buffer [*, ...] (same row shape and
+    dtype) at address table[b]: each decoding sequence's new K or V row, in one launch and
+    without a host value (CUDA-graph capturable)."""
+    _check_dtype("write_rows rows", rows)
+    b = _check_table("write_rows", rows, (table,), positions)
+    if b == 0:
+        return
+    src = rows.contiguous().view(b, -1)
+    row = src.shape[1]
+    _write_rows_kernel[(b, triton.cdiv(row, _WRITE_BLOCK))](src, table, positions, row, BLOCK=_WRITE_BLOCK)
 
 
 # --------------------------------------------------------------------------- gated delta rule
@@ -643,4 +770,6 @@ TRITON_INVARIANT_OPS = Ops(
     delta_rule_prefill=gated_delta_rule,  # token-serial: a chunk == its tokens decoded one by one
     delta_rule_decode=gated_delta_rule,
     attention=attention,
+    decode_attention_table=decode_attention_table,
+    write_rows=write_rows,
 )

@@ -185,6 +185,11 @@ class EngineConfig:
         "on its batch neighbours, its prefill chunks or a cache restore (bitwise); `false` trades "
         "that for speed (see BENCHMARKS.md for the measured cost)",
     )
+    enforce_eager: bool = setting(
+        False,
+        help="run every decode step eagerly; otherwise, on a GPU, a dense model's decode step is "
+        "captured once per batch-size bucket as a CUDA graph and replayed (same output bits)",
+    )
     keepalive_s: float = setting(
         5.0, help="SSE keep-alive comment interval, seconds, while a stream waits (queue, long prefill)"
     )

@@ -31,6 +31,7 @@ from keepwarm.engine.cache.prefix_cache import PrefixCache, diverged_at
 from keepwarm.engine.cache.snapshot import Snapshot
 from keepwarm.engine.cache.snapshot_file import FORMAT_VERSION
 from keepwarm.engine.config import EngineConfig
+from keepwarm.engine.generation.decode_graph import DecodeGraphs
 from keepwarm.engine.generation.grammar import (
     GrammarError,
     GrammarTokenizer,
@@ -104,7 +105,8 @@ class Engine:
         self.backend = build_backend(
             self.ckpt, self.placement, cfg.torch_dtype, self.placement.ops(cfg.use_triton, cfg.deterministic)
         )
-        self.runner = Runner(self.backend)
+        graphs = DecodeGraphs.for_backend(self.backend, cfg.max_seqs, cfg.max_context, cfg.enforce_eager)
+        self.runner = Runner(self.backend, graphs)
         fingerprint_cache = cfg.cache_dir / "fingerprints.json" if cfg.cache_dir else None
         self.namespace = namespace_id(
             format_version=FORMAT_VERSION,

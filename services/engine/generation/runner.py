@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from keepwarm.engine.generation.decode_graph import DecodeGraphs
 from keepwarm.engine.generation.scheduler import Scheduled
 from keepwarm.engine.models.backend import Backend
 
@@ -21,8 +22,9 @@ class StepOutput:
 
 
 class Runner:
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, graphs: DecodeGraphs | None = None) -> None:
         self.backend = backend
+        self.graphs = graphs  # decode steps (one token per sequence) run static / captured
 
     def run(self, batch: Sequence[Scheduled]) -> StepOutput:
         """One forward over every entry that feeds tokens; entries with 0 tokens take the
@@ -37,8 +39,12 @@ class Runner:
                 assert state is not None and state.position + b.num_tokens <= state.capacity
                 p = state.position
                 states.append(state)
-                chunks.append(torch.tensor(seq.tokens[p : p + b.num_tokens], dtype=torch.long))
-            logits = self.backend.step(states, chunks)
+                chunks.append(seq.tokens[p : p + b.num_tokens])
+            logits = None
+            if self.graphs is not None and all(len(c) == 1 for c in chunks):
+                logits = self.graphs.run(states, [c[0] for c in chunks])
+            if logits is None:
+                logits = self.backend.step(states, [torch.tensor(c, dtype=torch.long) for c in chunks])
             if self.backend.device.type == "cuda":
                 torch.cuda.synchronize(self.backend.device)
             for b, row in zip(work, logits, strict=True):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -77,6 +77,28 @@ class Backend(Protocol):
         tensor, before writing any) when it does not fit `geometry`. `into` is a spent
         state of this backend whose buffers may be reused (their pages are already
         mapped, which makes a restore a plain memory copy)."""
+        ...
+
+
+@runtime_checkable
+class StaticDecode(Backend, Protocol):
+    """A backend whose one-token-per-sequence step reads no device value on the host, so a
+    CUDA graph can capture it (generation/decode_graph.py); dense implements it."""
+
+    def static_decode(self, max_context: int) -> bool:
+        """Whether `decode_rows` can run with this backend's ops and placement (and make it
+        ready for positions below `max_context`)."""
+        ...
+
+    def state_addresses(self, state: State) -> list[int]:
+        """The buffer addresses `decode_rows` needs for `state` (a fixed count per backend)."""
+        ...
+
+    def decode_rows(
+        self, tokens: torch.Tensor, positions: torch.Tensor, addresses: torch.Tensor
+    ) -> torch.Tensor:
+        """tokens [B], positions [B], addresses [A, B] int64 on `device` -> logits [B, vocab]
+        float32; writes each sequence's new state rows, leaves positions/logits to the caller."""
         ...
 
 

@@ -258,21 +258,11 @@ class DenseBackend:
         else:
             positions = torch.cat([torch.arange(p, p + n) for p, n in zip(starts, lens, strict=True)])
             cos, sin = self.rope.cos_sin_at(positions, self.dtype)
-        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         for i, layer in enumerate(self.layers):
             dev = self.placement.device_of(i)
             if x.device != dev:  # a stage boundary: the hidden state and positions move on
                 x, cos, sin = x.to(dev), cos.to(dev), sin.to(dev)
-            h = ops.rms_norm(x, layer.input_norm, c.rms_norm_eps)
-            q, k, v = ops.linear(h, layer.w_qkv, layer.b_qkv).split([q_size, kv_size, kv_size], dim=-1)
-            q = q.view(t, c.num_heads, c.head_dim)
-            k = k.view(t, c.num_kv_heads, c.head_dim)
-            v = v.view(t, c.num_kv_heads, c.head_dim)
-            if layer.q_norm is not None and layer.k_norm is not None:
-                q = ops.rms_norm(q, layer.q_norm, c.rms_norm_eps)
-                k = ops.rms_norm(k, layer.k_norm, c.rms_norm_eps)
-            q = ops.rotary(q, cos, sin)
-            k = ops.rotary(k, cos, sin)
+            q, k, v = self._qkv(layer, x, cos, sin)
             keys, values = [], []  # each sequence's cache rows 0 .. start + n, its chunk written
             k_name, v_name = self._kv_names[i]
             for state, start, n, off in zip(states, starts, lens, offs, strict=True):
@@ -281,11 +271,7 @@ class DenseBackend:
                 v_cache[start:] = v[off : off + n]
                 keys.append(k_cache)
                 values.append(v_cache)
-            attn = self._attention(q, keys, values, lens, offs)
-            x = x + ops.linear(attn.reshape(t, q_size), layer.w_o, layer.b_o)
-            h = ops.rms_norm(x, layer.post_norm, c.rms_norm_eps)
-            gate, up = ops.linear(h, layer.w_gate_up, layer.b_gate_up).chunk(2, dim=-1)
-            x = x + ops.linear(ops.silu_mul(gate, up), layer.w_down, layer.b_down)
+            x = self._mlp(layer, x, self._attention(q, keys, values, lens, offs))
         if all_logits:
             assert len(states) == 1, "all_logits is for one sequence"
         else:
@@ -296,6 +282,72 @@ class DenseBackend:
             state.position = start + n
             state.logits = row
         return logits
+
+    def _qkv(
+        self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> q [T, Hq, D], k and v [T, Hkv, D], normed and rotated."""
+        c, ops = self.cfg, self.ops
+        t = x.shape[0]
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        h = ops.rms_norm(x, layer.input_norm, c.rms_norm_eps)
+        q, k, v = ops.linear(h, layer.w_qkv, layer.b_qkv).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(t, c.num_heads, c.head_dim)
+        k = k.view(t, c.num_kv_heads, c.head_dim)
+        v = v.view(t, c.num_kv_heads, c.head_dim)
+        if layer.q_norm is not None and layer.k_norm is not None:
+            q = ops.rms_norm(q, layer.q_norm, c.rms_norm_eps)
+            k = ops.rms_norm(k, layer.k_norm, c.rms_norm_eps)
+        return ops.rotary(q, cos, sin), ops.rotary(k, cos, sin), v
+
+    def _mlp(self, layer: _Layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The residual after attention [T, Hq, D] and the MLP: the layer's output [T, hidden]."""
+        c, ops = self.cfg, self.ops
+        x = x + ops.linear(attn.reshape(x.shape[0], c.num_heads * c.head_dim), layer.w_o, layer.b_o)
+        h = ops.rms_norm(x, layer.post_norm, c.rms_norm_eps)
+        gate, up = ops.linear(h, layer.w_gate_up, layer.b_gate_up).chunk(2, dim=-1)
+        return x + ops.linear(ops.silu_mul(gate, up), layer.w_down, layer.b_down)
+
+    # -- static decode (a CUDA graph captures it: generation/decode_graph.py) ---------
+    def static_decode(self, max_context: int) -> bool:
+        """Whether `decode_rows` can run here (the ops have address-table kernels, one
+        device); builds the RoPE tables for every position below `max_context` first, so a
+        captured step never sees them grow."""
+        ops = self.ops
+        if ops.decode_attention_table is None or ops.write_rows is None:
+            return False
+        if len({self.placement.device_of(i) for i in range(self.cfg.num_layers)}) != 1:
+            return False
+        self.rope.table(max_context, self.dtype)
+        return True
+
+    def state_addresses(self, state: State) -> list[int]:
+        """The addresses `decode_rows` reads and writes for `state`: layer i's K buffer at
+        2 i, its V buffer at 2 i + 1."""
+        return [state.tensors[name].data_ptr() for pair in self._kv_names for name in pair]
+
+    @torch.inference_mode()
+    def decode_rows(
+        self, tokens: torch.Tensor, positions: torch.Tensor, addresses: torch.Tensor
+    ) -> torch.Tensor:
+        """One decode token per sequence without a host value: tokens [B] int64 fed at
+        positions [B] int64 (each sequence's state.position), addresses [2 L, B] int64 (column
+        b: `state_addresses` of sequence b). Writes each K/V row, returns logits [B, vocab]
+        float32; row b has the bits `step` gives that sequence (same ops, row-invariant).
+        The caller advances the states' positions and logits (it knows the real rows)."""
+        c, ops = self.cfg, self.ops
+        assert ops.decode_attention_table is not None and ops.write_rows is not None
+        cos_table, sin_table = self.rope.tables[self.dtype]
+        x = F.embedding(tokens, self.embed)
+        cos, sin = cos_table.index_select(0, positions), sin_table.index_select(0, positions)
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, x, cos, sin)
+            k_table, v_table = addresses[2 * i], addresses[2 * i + 1]
+            ops.write_rows(k, k_table, positions)
+            ops.write_rows(v, v_table, positions)
+            attn = ops.decode_attention_table(q, k_table, v_table, positions, self.scale, c.num_kv_heads)
+            x = self._mlp(layer, x, attn)
+        return ops.linear(ops.rms_norm(x, self.final_norm, c.rms_norm_eps), self.lm_head).float()
 
     def _attention(
         self,
