@@ -39,6 +39,8 @@ values, summed in numpy's order instead of the MMA's.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -625,6 +627,28 @@ def decode_attention_table(
     return out
 
 
+def decode_attention_batch(
+    q: torch.Tensor, ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor], scale: float
+) -> torch.Tensor:
+    """q [B, Hq, D] against ks[b], vs[b] [S_b, Hkv, D] -> [B, Hq, D]: one launch of the
+    address-table kernel for the B decode rows (row b the bits of decode_attention(q[b], ks[b],
+    vs[b], scale)). Rows must be contiguous; otherwise one call per sequence."""
+    if not all(t.is_contiguous() and t.dtype == q.dtype and t.shape[0] > 0 for t in (*ks, *vs)):
+        return torch.stack([decode_attention(qb, k, v, scale) for qb, k, v in zip(q, ks, vs, strict=True)])
+    hkv = ks[0].shape[1]
+    for k, v in zip(ks, vs, strict=True):
+        if k.shape != v.shape or k.shape[1:] != (hkv, q.shape[2]):
+            raise ValueError(
+                f"decode_attention_batch: every k/v must be [S, {hkv}, {q.shape[2]}]; got {tuple(k.shape)}, "
+                f"{tuple(v.shape)}"
+            )
+    host = torch.tensor(
+        [[k.data_ptr() for k in ks], [v.data_ptr() for v in vs], [k.shape[0] - 1 for k in ks]]
+    )
+    tables = host.to(q.device)
+    return decode_attention_table(q, tables[0], tables[1], tables[2], scale, hkv)
+
+
 @triton.jit
 def _write_rows_kernel(src_ptr, table_ptr, pos_ptr, ROW, BLOCK: tl.constexpr):
     # Grid (B, cdiv(ROW, BLOCK)): src [B, ROW] contiguous; row b goes to row pos[b] of the
@@ -762,6 +786,7 @@ TRITON_INVARIANT_OPS = Ops(
     rotary=triton_ops.rotary,  # elementwise per position
     prefill_attention=prefill_attention,
     decode_attention=decode_attention,
+    decode_attention_batch=decode_attention_batch,
     linear=linear,
     rms_norm_1p=rms_norm_1p,
     softmax=softmax,

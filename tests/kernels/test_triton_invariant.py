@@ -165,6 +165,50 @@ def test_attention_row_equal_one_shot_chunked_and_decoded(dtype: torch.dtype) ->
         assert torch.equal(OPS.decode_attention(q[i], k[: i + 1], v[: i + 1], scale), one_shot[i]), i
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_by_address_table_equals_each_row_alone(dtype: torch.dtype) -> None:
+    # Caches of different lengths (both sides of the 32-key tile) at unrelated addresses, with
+    # rows past each length that must not be read; GQA with 3 query heads per kv head.
+    g = torch.Generator().manual_seed(5)
+    hq, hkv, d, scale = 6, 2, 48, 48**-0.5
+    lens = [1, 31, 32, 33, 70]
+    ks = [_randn(g, n + 4, hkv, d, dtype=dtype) for n in lens]
+    vs = [_randn(g, n + 4, hkv, d, dtype=dtype) for n in lens]
+    q = _randn(g, len(lens), hq, d, dtype=dtype)
+    alone = [OPS.decode_attention(q[b], ks[b][:n], vs[b][:n], scale) for b, n in enumerate(lens)]
+    k_table = torch.tensor([k.data_ptr() for k in ks])
+    v_table = torch.tensor([v.data_ptr() for v in vs])
+    positions = torch.tensor([n - 1 for n in lens])
+    table = triton_invariant.decode_attention_table(q, k_table, v_table, positions, scale, hkv)
+    batch = OPS.decode_attention_batch(
+        q,
+        [k[:n] for k, n in zip(ks, lens, strict=True)],
+        [v[:n] for v, n in zip(vs, lens, strict=True)],
+        scale,
+    )
+    for b in range(len(lens)):
+        assert torch.equal(table[b], alone[b]), b
+        assert torch.equal(batch[b], alone[b]), b
+    # the new rows land at each sequence's position, nothing else moves
+    before = [k.clone() for k in ks]
+    rows = _randn(g, len(lens), hkv, d, dtype=dtype)
+    triton_invariant.write_rows(rows, k_table, positions + 1)
+    for b, n in enumerate(lens):
+        assert torch.equal(ks[b][n], rows[b])
+        assert torch.equal(
+            torch.cat([ks[b][:n], ks[b][n + 1 :]]), torch.cat([before[b][:n], before[b][n + 1 :]])
+        )
+
+
+def test_address_tables_must_be_int64_rows_per_sequence() -> None:
+    q = torch.zeros(2, 4, 16)
+    good = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"contiguous \[2\] int64"):
+        triton_invariant.decode_attention_table(q, good, good.to(torch.int32), good, 1.0, 2)
+    with pytest.raises(ValueError, match=r"contiguous \[2\] int64"):
+        triton_invariant.write_rows(torch.zeros(2, 2, 16), good[:1], good)
+
+
 def test_attention_control_old_split_kv_decode_differs_from_its_prefill() -> None:
     # The non-invariant bundle reduces a decode row in split-KV partials merged by a second
     # kernel (and keeps P in fp32): rows differ from the same rows of its prefill. Its chunked
@@ -298,6 +342,9 @@ for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
         assert torch.equal(torch.cat(parts), one), ("prefill chunk", dtype, c)
     for i in range(70):
         assert torch.equal(ops.decode_attention(q[i], k[: i + 1], v[: i + 1], 128**-0.5), one[i]), ("decode", dtype, i)
+    rows = [3, 31, 32, 69]  # one launch by address table, caches of different lengths
+    batch = ops.decode_attention_batch(q[rows], [k[: i + 1] for i in rows], [v[: i + 1] for i in rows], 128**-0.5)
+    assert all(torch.equal(batch[j], one[i]) for j, i in enumerate(rows)), ("decode batch", dtype)
     xs = r(33, 512)
     for f in (lambda t: ops.rms_norm(t, xs[0], 1e-6), lambda t: ops.softmax(t, -1)):
         full = f(xs)
