@@ -45,6 +45,7 @@ from keepwarm.engine.generation.runner import Runner, StepOutput
 from keepwarm.engine.generation.sampling import LogitsRules, Sampler
 from keepwarm.engine.generation.scheduler import Scheduled, Scheduler
 from keepwarm.engine.generation.sequence import Event, Sequence, Status
+from keepwarm.engine.generation.snapshot_copier import PendingSnapshot, SnapshotCopier
 from keepwarm.engine.generation.state_memory import StateMemory
 from keepwarm.engine.generation.stopping import StopChecker
 from keepwarm.engine.loading.chat_template import ChatTemplate
@@ -149,6 +150,10 @@ class Engine:
         self.tool_format = detect_format(self.template.source)
         # optional backend capability: read disk hits straight into a state's buffers
         self.restore_target = getattr(self.backend, "restore_target", None)
+        # snapshots on their way to host memory, oldest first: (salt, key tokens, copy);
+        # they enter the cache in this order (see _land)
+        self.copier = SnapshotCopier()
+        self.copies: deque[tuple[str, list[int], PendingSnapshot]] = deque()
 
     def _max_batch_tokens(self) -> int:
         if self.cfg.max_batch_tokens > 0:
@@ -167,6 +172,8 @@ class Engine:
         self.backend.geometry.validate(snap.tensors, snap.position)
 
     def close(self) -> None:
+        """The caller makes sure no step runs now (ModelSet._park holds `self.lock`)."""
+        self._land(wait=True)
         self.prefill_cost.save()
         if self.cache.disk is not None:
             self.cache.disk.close()
@@ -285,16 +292,19 @@ class Engine:
 
     # -- the loop body ------------------------------------------------------------
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or not self.inbox.empty()
+        """Sequences to run, or snapshot copies still to land (a step lands them)."""
+        return self.scheduler.has_work() or not self.inbox.empty() or bool(self.copies)
 
     def step(self) -> int:
         """schedule -> run -> postprocess; returns how many sequences took part."""
         with self.lock:
             while not self.inbox.empty():
                 self.scheduler.add(self.inbox.get())
+            self._land(wait=False)  # copies finished meanwhile; an admission waits for the rest
             self._drop_cancelled()
             batch = self._fit(self.scheduler.schedule(self._admit, self._cached_depth))
             if not batch:
+                self._land(wait=True)  # no forward to overlap with: the copies land now
                 return 0
             out = self.runner.run(batch)
             self.postprocess(batch, out)
@@ -342,6 +352,7 @@ class Engine:
         return True
 
     def _cached_depth(self, seq: Sequence) -> int:
+        self._land(wait=True)  # the cache is consulted for an admission: see _land
         prompt = seq.tokens[: seq.num_prompt_tokens]
         return self.cache.cached_depth(seq.salt, prompt, seq.boundaries, self.cfg.min_tokens)
 
@@ -353,6 +364,7 @@ class Engine:
         if not seq.policy.enabled:
             return
         assert seq.state is not None
+        self._land(wait=True)  # the cache is consulted for an admission: see _land
         self.stats.lookups += 1
         t0 = time.perf_counter()
         alloc = self.restore_target(seq.state) if self.restore_target is not None else None
@@ -400,6 +412,8 @@ class Engine:
         assert seq.state is not None
         snap = None
         if seq.state.position > 0:
+            # a synchronous copy, unlike _save's: preemption is rare, and the state is
+            # freed (its memory reused) right below
             snap = self.backend.export(seq.state).detached()
             if seq.policy.enabled and seq.state.position >= self.cfg.min_tokens:
                 # also a cache entry; the sequence keeps its own reference, so the RAM
@@ -472,7 +486,7 @@ class Engine:
         """n > 1: the other choices start from the parent's prefilled state (one prefill),
         parked like preempted sequences, so each is admitted when memory has room."""
         assert parent.state is not None
-        snap = self.backend.export(parent.state).detached()
+        snap = self.backend.export(parent.state).detached()  # synchronous: once per n > 1 request
         req, params = parent.request, parent.request.sampling
         for choice in range(1, req.n):
             child = replace_seq(
@@ -541,9 +555,27 @@ class Engine:
                 self._release(seq)
 
     def _save(self, seq: Sequence, position: int) -> None:
+        """Start the host copy of the state at `position` without waiting for it; the
+        copy enters the cache when it lands (at once on the CPU)."""
         assert seq.state is not None and seq.state.position == position
-        self.cache.save(seq.salt, seq.tokens[:position], self.backend.export(seq.state))
+        tokens = seq.tokens[:position]
+        if not self.cache.holds(self.cache.key(seq.salt, tokens)):  # stored already: no copy
+            self.copies.append((seq.salt, tokens, self.copier.start(self.backend.export(seq.state))))
         self.stats.snapshots_saved += 1
+        self._land(wait=False)
+
+    def _land(self, wait: bool) -> None:
+        """Hand finished snapshot copies to the cache, oldest first, stopping at the first
+        still in flight; `wait`: wait for each instead. In order, so the tiers see the
+        snapshots as a synchronous copy would have stored them. Every cache lookup for an
+        admission waits for all of them first (`_restore`, `_cached_depth`): whether a
+        prompt reuses a prefix an earlier step saved never depends on copy timing."""
+        while self.copies:
+            salt, tokens, pending = self.copies[0]
+            if not wait and not pending.done():
+                return
+            self.copies.popleft()
+            self.cache.save(salt, tokens, pending.wait(), detached=True)
 
     def abandon(self, seq: Sequence) -> None:
         """Drop a sequence without a finish event (its step failed); frees its memory."""
@@ -657,6 +689,8 @@ class Engine:
         return final
 
     def flush(self) -> None:
+        with self.lock:
+            self._land(wait=True)
         if self.cache.disk is not None:
             self.cache.disk.flush()
 

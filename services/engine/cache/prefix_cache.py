@@ -175,8 +175,13 @@ class PrefixCache:
                 )
         return None
 
-    def save(self, salt: str, tokens: Sequence[int], snapshot: Snapshot) -> str:
-        """Store a detached copy of `snapshot` under the key of `tokens` in both tiers."""
+    def holds(self, key: str) -> bool:
+        """Whether every tier already stores `key` (a save of it would be a no-op)."""
+        return (self.memory is None or key in self.memory) and (self.disk is None or self.disk.contains(key))
+
+    def save(self, salt: str, tokens: Sequence[int], snapshot: Snapshot, *, detached: bool = False) -> str:
+        """Store a detached copy of `snapshot` under the key of `tokens` in both tiers
+        (no copy when the caller says `snapshot` is `detached`: host memory it gives away)."""
         assert snapshot.position <= len(tokens), "a snapshot is never keyed by fewer tokens than it covers"
         key = self.key(salt, tokens)
         toks = list(tokens)
@@ -184,7 +189,7 @@ class PrefixCache:
         on_disk = self.disk is None or self.disk.contains(key)
         if in_memory and on_disk:
             return key
-        copy = snapshot.detached()
+        copy = snapshot if detached else snapshot.detached()
         if not in_memory:
             self._remember(key, toks, copy)
         if not on_disk and self.disk is not None:
