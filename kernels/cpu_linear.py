@@ -9,6 +9,16 @@ some M; fp32 differs between 1 and 2 rows). The C++ kernel (kernels/csrc/cpu_lin
 has a streaming path for M <= STREAM_ROWS (decode: bound by DRAM) and a register-tiled path
 above (prefill: bound by arithmetic), giving identical bits.
 
+The bf16 prefill path has two forms with the same bits where both are used: "dpbf16" (one
+vdpbf16ps per 32 products, right on every CPU) and "fma" (the same products as two fp32 FMAs
+under DAZ/FTZ on unpacked panels: an inner loop ~2x faster, prefill 1.3-1.6x, where
+vdpbf16ps runs at a quarter of the FMA rate, as on Sapphire/Emerald Rapids without AMX; ~2x
+slower where it runs at the FMA rate, as on Zen 4). Once per process, at load, a probe picks: "fma" only when it matches vdpbf16ps on
+every probed lane (random bits plus denormals, zeros, inf, NaN, values near overflow and near
+2^-126) AND its inner loop wins the race by MIN_FMA_SPEEDUP; else "dpbf16". `prefill_form()`
+says which. KEEPWARM_CPU_PREFILL_FORM=fma|dpbf16 forces one (tests); forcing "fma" where the
+probe finds it inexact raises instead of running it.
+
   kernel when: the extension loaded (CPU has avx512_bf16 and the build succeeded), x and
   weight share a dtype, bf16 or fp32, on CPU, weight is contiguous [N, K], x has >= 1 row
   (leading dims flattened), bias is None or a [N] CPU tensor of that dtype, and no autograd
@@ -28,6 +38,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +57,14 @@ CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-ffp-
 # torch ships libgomp.so.1 and has it loaded already; linking against the same soname makes
 # the kernel share torch's OpenMP pool (and its thread count) instead of starting a second.
 LDFLAGS = ("-fopenmp",)
+
+PrefillForm = Literal["fma", "dpbf16"]
+PREFILL_FORMS: tuple[PrefillForm, ...] = get_args(PrefillForm)
+PREFILL_FORM_ENV = "KEEPWARM_CPU_PREFILL_FORM"
+MIN_FMA_SPEEDUP = 1.2  # the FMA form's inner loop must be this much faster (it also packs)
+PROBE_VECTORS = 1 << 14  # x 16 lanes of the exactness probe (~15 ms)
+PROBE_SEED = 0x5EED
+RACE_REPS, RACE_ROUNDS = 256, 5  # each round ~0.1 ms per form; the best round of each counts
 
 
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
@@ -85,10 +104,80 @@ def build_extension(
 
 
 @dataclass(frozen=True)
+class PrefillProbe:
+    """What the one-time probe of an extension found on this CPU."""
+
+    lanes: int  # lanes of the exactness probe
+    mismatches: int  # of them, where the FMA form differs from vdpbf16ps (NaN matching any NaN)
+    dpbf16_s: float  # best time of the vdpbf16ps inner loop
+    fma_s: float  # best time of the FMA-form inner loop (same products)
+
+    @property
+    def exact(self) -> bool:
+        return self.mismatches == 0
+
+    @property
+    def fma_speedup(self) -> float:
+        return self.dpbf16_s / self.fma_s
+
+    def form(self) -> PrefillForm:
+        return "fma" if self.exact and self.fma_speedup >= MIN_FMA_SPEEDUP else "dpbf16"
+
+
+@functools.cache
+def probe_prefill(ext: ModuleType) -> PrefillProbe:
+    """Run the extension's probes once per process (exactness ~15 ms, race ~1 ms)."""
+    dpbf16_s, fma_s = ext.time_prefill_forms(RACE_REPS, RACE_ROUNDS)
+    return PrefillProbe(
+        lanes=PROBE_VECTORS * 16,
+        mismatches=int(ext.fma_form_mismatches(PROBE_VECTORS, PROBE_SEED)),
+        dpbf16_s=float(dpbf16_s),
+        fma_s=float(fma_s),
+    )
+
+
+def decide_prefill_form(forced: str, probe: PrefillProbe) -> PrefillForm:
+    """`forced` (KEEPWARM_CPU_PREFILL_FORM's value, "" when unset) if valid, else the probe's
+    choice. Raises ValueError naming the variable for an unknown value, or for "fma" where the
+    probe found the FMA form inexact."""
+    if forced == "":
+        return probe.form()
+    if forced not in PREFILL_FORMS:
+        raise ValueError(
+            f"{PREFILL_FORM_ENV}={forced!r}: must be one of {', '.join(PREFILL_FORMS)} "
+            "(or unset, to let the start-up probe choose)"
+        )
+    if forced == "fma" and not probe.exact:
+        raise ValueError(
+            f"{PREFILL_FORM_ENV}=fma: on this CPU the FMA form differs from vdpbf16ps on {probe.mismatches} of "
+            f"{probe.lanes} probed lanes, so it would break the kernel's invariance; unset it or set dpbf16"
+        )
+    return "fma" if forced == "fma" else "dpbf16"
+
+
+def choose_prefill_form(ext: ModuleType) -> PrefillForm:
+    """The bf16 prefill form for this extension, from KEEPWARM_CPU_PREFILL_FORM (read now) and
+    the extension's probe (`decide_prefill_form`)."""
+    forced = os.environ.get(PREFILL_FORM_ENV, "")
+    probe = probe_prefill(ext)
+    form = decide_prefill_form(forced, probe)
+    log.info(
+        "cpu_linear: bf16 prefill form %s (%s; FMA form exact: %s, inner loop %.2fx vdpbf16ps)",
+        form,
+        f"forced by {PREFILL_FORM_ENV}" if forced else "probed",
+        probe.exact,
+        probe.fma_speedup,
+    )
+    return form
+
+
+@dataclass(frozen=True)
 class CpuLinear:
-    """`linear` bound to one loaded extension (or none: then it is torch's F.linear)."""
+    """`linear` bound to one loaded extension (or none: then it is torch's F.linear) and its
+    bf16 prefill form."""
 
     ext: ModuleType | None
+    prefill_form: PrefillForm = "dpbf16"
 
     def available(self) -> bool:
         return self.ext is not None
@@ -114,7 +203,9 @@ class CpuLinear:
         if out_dtype is not None and out_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"out_dtype must be None, torch.bfloat16 or torch.float32, not {out_dtype}")
         if self.ext is not None:
-            y = self.ext.try_linear(x, weight, bias, out_dtype == torch.float32, force_tiled)
+            y = self.ext.try_linear(
+                x, weight, bias, out_dtype == torch.float32, force_tiled, self.prefill_form == "fma"
+            )
             if y is not None:
                 return y
         y = F.linear(x, weight, bias)
@@ -127,9 +218,9 @@ def load(
     flags: frozenset[str] | None = None,
     build_dir: Path | None = None,
 ) -> CpuLinear:
-    """Build and load the kernel; never raises. Without the CPU features, or when the build
-    fails, or with KEEPWARM_CPU_LINEAR=0, the result falls back to torch (and says why in
-    one log line)."""
+    """Build and load the kernel, and choose its bf16 prefill form (`bind`). Without the CPU
+    features, or when the build fails, or with KEEPWARM_CPU_LINEAR=0, the result falls back
+    to torch (and says why in one log line). Raises only for a bad KEEPWARM_CPU_PREFILL_FORM."""
     if os.environ.get("KEEPWARM_CPU_LINEAR", "1") == "0":
         log.info("cpu_linear: disabled by KEEPWARM_CPU_LINEAR=0; using torch F.linear")
         return CpuLinear(None)
@@ -145,7 +236,13 @@ def load(
             "cpu_linear: building %s failed (%s: %s); using torch F.linear", source, type(e).__name__, e
         )
         return CpuLinear(None)
-    return CpuLinear(ext)
+    return bind(ext)
+
+
+def bind(ext: ModuleType) -> CpuLinear:
+    """The kernel of a loaded extension in the prefill form chosen now (KEEPWARM_CPU_PREFILL_FORM
+    read again; the probe runs once per extension)."""
+    return CpuLinear(ext, choose_prefill_form(ext))
 
 
 @functools.cache
@@ -158,6 +255,12 @@ def default() -> CpuLinear:
 def available() -> bool:
     """True when the C++ kernel is loaded and `linear` uses it for bf16/fp32 inputs."""
     return default().available()
+
+
+def prefill_form() -> PrefillForm | None:
+    """The process kernel's bf16 prefill form; None when the kernel is not loaded."""
+    k = default()
+    return k.prefill_form if k.available() else None
 
 
 def linear(

@@ -18,9 +18,19 @@
 //     L1); meanwhile the row kPrefetchBytes ahead is prefetched, spread over the passes, so
 //     DRAM and the arithmetic overlap. Bound by DRAM bandwidth at small M, by the arithmetic
 //     from M ~ 8.
-//   - prefill (M > kStreamRows): register tiles of kMr token rows x kNr weight rows, one chain
-//     at a time (its blocks are strided by 4 E elements), x panels blocked to stay in L2.
-//     Bound by arithmetic.
+//   - prefill (M > kStreamRows): register tiles of 4 token rows x 6 weight rows, one chain at
+//     a time. Bound by arithmetic. fp32, and bf16 in the "dpbf16" form: the tiles straight
+//     from x and the weight (tiled_range). bf16 in the "fma" form: x and weight strips unpacked
+//     to fp32 panels in chain order, each block as two fp32 FMAs under DAZ/FTZ, which is
+//     vdpbf16ps bit for bit where the probe says so (packed_run; see "bf16 prefill path" below).
+// The bf16 prefill form is the caller's argument (`prefill_fma`); the Python side picks it once
+// per process from two probes exported here: `fma_form_mismatches` (the FMA form against
+// vdpbf16ps on random and special lanes: any mismatch rules the FMA form out) and
+// `time_prefill_forms` (the two inner loops raced; the FMA form must win by MIN_FMA_SPEEDUP,
+// 1.2x). On Sapphire/Emerald Rapids without AMX vdpbf16ps issues at a quarter of the FMA rate:
+// the FMA form's inner loop is ~2x faster (prefill ~1.3-1.6x); on Zen 4 (vdpbf16ps at about
+// the FMA rate) it would be ~2x slower, and whether it rounds like vdpbf16ps there is for the
+// probe to say. Decode never depends on the form.
 // Compiled with -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -ffp-contract=off: the Python
 // side loads this only on CPUs that report avx512_bf16.
 
@@ -34,8 +44,13 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <new>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -109,12 +124,12 @@ inline void hsum16x16(const __m512* v, float* out) {
 }
 
 // The contract's last step in the decode path: ((c0 + c1) + c2) + c3, then hsum16.
-inline float combine(__m512 c0, __m512 c1, __m512 c2, __m512 c3) {
+inline __m512 combine_chains(__m512 c0, __m512 c1, __m512 c2, __m512 c3) {
   __m512 total = _mm512_add_ps(c0, c1);
   total = _mm512_add_ps(total, c2);
-  total = _mm512_add_ps(total, c3);
-  return hsum16(total);
+  return _mm512_add_ps(total, c3);
 }
+inline float combine(__m512 c0, __m512 c1, __m512 c2, __m512 c3) { return hsum16(combine_chains(c0, c1, c2, c3)); }
 
 template <typename Out>
 inline Out store_value(float v);
@@ -122,6 +137,15 @@ template <>
 inline float store_value<float>(float v) { return v; }
 template <>
 inline c10::BFloat16 store_value<c10::BFloat16>(float v) { return c10::BFloat16(v); }  // nearest even
+
+// c10::BFloat16(float) for 16 lanes: round to nearest even on the bits, every NaN as 0x7fc0.
+inline __m256i round_bf16x16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+  return _mm512_cvtepi32_epi16(r);
+}
 
 // --- decode path: one weight row against up to 4 token rows --------------------------------
 
@@ -208,7 +232,7 @@ void stream_range(const typename Kind::T* x, const typename Kind::T* w, Bias<Kin
   }
 }
 
-// --- prefill path: register tiles, one chain at a time ---------------------------------------
+// --- prefill path (fp32; bf16 "dpbf16" form): register tiles, one chain at a time -----------
 
 constexpr int kMr = 4;  // token rows per register tile
 constexpr int kNr = 6;  // weight rows per register tile (kMr * kNr accumulators + kNr + 1 loads)
@@ -312,9 +336,272 @@ void tiled_range(const typename Kind::T* x, const typename Kind::T* w, Bias<Kind
   }
 }
 
+// --- bf16 prefill path, "fma" form: each block's products as two fp32 FMAs on packed panels --
+//
+// (The "dpbf16" form is tiled_range<Bf16> above, one vdpbf16ps per block.) On Sapphire/Emerald
+// Rapids (AMX not exposed) `vdpbf16ps` issues at a quarter of the rate of `vfmadd231ps`, so 32
+// products as two FMAs cost half as much; on a CPU with a full-rate vdpbf16ps (Zen 4) they
+// cost twice as much, and time_prefill_forms below tells which. On Emerald Rapids, for every
+// input (normal, denormal, zero, inf, NaN; checked on 2.9e8 random lanes, NaN payloads
+// included; fma_form_mismatches re-checks the CPU it runs on) a block
+//   acc = dpbf16(acc, w, x)    equals, bit for bit,
+//   acc = fma(w_odd, x_odd, acc); acc = fma(w_even, x_even, acc)    (vfmadd231ps acc, w, x)
+// under MXCSR DAZ + FTZ + round-to-nearest-even: the instruction's own definition (two fused
+// steps, the odd bf16 of each pair first, denormals in and out as zero, RNE). w_odd / w_even
+// are the pair's high / low bf16 as fp32 (bits & 0xffff0000, bits << 16), exact. With w as
+// vfmadd231ps's first multiplicand the NaN kept where several meet is the one dpbf16 keeps.
+// DAZ/FTZ hold only while chains accumulate; the combine, hsum, bias and rounding run under the
+// caller's MXCSR, as in the decode path.
+//
+// Layout: x panels (per thread, kept in L2) and weight strips of kPNr rows (kept in L1) are
+// unpacked to fp32 [odd 16 | even 16] per block, the blocks reordered chain by chain (chain 0's
+// j = 0, 4, .., then 4q..nb-1 and the tail block zero-padded, then chain 1's j = 1, 5, .., ...),
+// so each chain is one contiguous run. x panel: [tile of kPMr rows][block][row][32]; strip:
+// [block][kPNr weight rows][32]; rows past M or N are zeros whose outputs are dropped.
+
+constexpr int kPMr = 4;             // token rows per register tile
+constexpr int kPNr = 6;             // weight rows per register tile: 24 accumulators + 6 w + 1 x zmm
+constexpr int kMaxGroupTiles = 4;   // tiles per DAZ/FTZ window (see packed_run)
+constexpr int kLanes = 16;
+constexpr int kPacked = 2 * kLanes;     // floats per packed block per row
+constexpr unsigned kCsrDpbf = 0x9fc0u;  // MXCSR: FTZ | all exceptions masked | DAZ
+constexpr unsigned kCsrRound = 0x6000u;  // MXCSR rounding control (00: nearest even)
+
+// The MXCSR under which the FMA form is vdpbf16ps: the caller's with DAZ, FTZ, all exceptions
+// masked and round to nearest even (restoring the caller's also drops the FMAs' flags).
+inline unsigned fma_form_csr(unsigned csr) { return (csr & ~kCsrRound) | kCsrDpbf; }
+
+// A bf16 pair's high (odd) and low (even) element in each fp32 lane, exactly.
+inline __m512 bf16_odd(__m512i v) {
+  return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+inline __m512 bf16_even(__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
+
+// acc + w * x in one rounding; NaN priority w, x, acc (vdpbf16ps's src1, src2, srcdest).
+inline __m512 fma_wx(__m512 acc, __m512 w, __m512 x) {
+  asm("vfmadd231ps %[x], %[w], %[acc]" : [acc] "+v"(acc) : [w] "v"(w), [x] "v"(x));
+  return acc;
+}
+
+// Where each chain's blocks sit in the packed order, and which contract block each one is.
+struct ChainOrder {
+  int64_t nb = 0, nbt = 0;          // full blocks; blocks with the tail
+  int64_t begin[kChains + 1] = {};  // chain u is packed blocks [begin[u], begin[u + 1])
+  std::vector<int64_t> pos;         // contract block j (nb: the tail) sits at packed block pos[j]
+  explicit ChainOrder(int64_t K) : nb(K / Bf16::E), nbt((K + Bf16::E - 1) / Bf16::E), pos(nbt) {
+    const int64_t q = nb / kChains;
+    int64_t b = 0;
+    for (int u = 0; u < kChains; ++u) {
+      begin[u] = b;
+      for (int64_t i = 0; i < q; ++i) pos[u + kChains * i] = b++;
+      if (u == 0)
+        for (int64_t j = kChains * q; j < nbt; ++j) pos[j] = b++;
+    }
+    begin[kChains] = b;
+  }
+};
+
+// Rows [r0, r0 + R) of a [rows, K] bf16 matrix into packed [block][R][32] at dst: block j of
+// row r as [odd 16 | even 16] fp32 (zeros past K and for rows >= `rows`). Rows are read in
+// order (one sequential stream each).
+template <int R>
+void pack_rows(const uint16_t* a, int64_t rows, int64_t K, int64_t r0, const ChainOrder& order, float* dst) {
+  for (int r = 0; r < R; ++r) {
+    if (r0 + r >= rows) {
+      for (int64_t b = 0; b < order.nbt; ++b) {
+        _mm512_store_ps(dst + (b * R + r) * kPacked, _mm512_setzero_ps());
+        _mm512_store_ps(dst + (b * R + r) * kPacked + kLanes, _mm512_setzero_ps());
+      }
+      continue;
+    }
+    const uint16_t* row = a + (r0 + r) * K;
+    for (int64_t j = 0; j < order.nbt; ++j) {
+      const int64_t k = j * Bf16::E;
+      const __m512i v =
+          j < order.nb ? Bf16::load(row + k) : Bf16::load_tail(row + k, static_cast<int>(K - k));
+      float* d = dst + (order.pos[j] * R + r) * kPacked;
+      _mm512_store_ps(d, bf16_odd(v));
+      _mm512_store_ps(d + kLanes, bf16_even(v));
+    }
+  }
+}
+
+// Packed blocks [b0, b1) of one chain for a kPMr x kPNr tile, from zero, into out[m][n][16].
+// Not inlined: on its own the compiler keeps the 31 live zmm registers without spills or
+// reloads (inlined into the callers' loops it did not).
+__attribute__((noinline)) void chain_tile(const float* __restrict xp, const float* __restrict wp, int64_t b0,
+                                          int64_t b1, float* __restrict out) {
+  __m512 acc[kPMr][kPNr];
+#pragma GCC unroll 4
+  for (int m = 0; m < kPMr; ++m)
+#pragma GCC unroll 6
+    for (int n = 0; n < kPNr; ++n) acc[m][n] = _mm512_setzero_ps();
+  for (int64_t b = b0; b < b1; ++b) {
+    const float* xb = xp + b * kPMr * kPacked;
+    const float* wb = wp + b * kPNr * kPacked;
+#pragma GCC unroll 2
+    for (int h = 0; h < kPacked; h += kLanes) {  // the odd products, then the even ones
+      __m512 wv[kPNr];
+#pragma GCC unroll 6
+      for (int n = 0; n < kPNr; ++n) wv[n] = _mm512_load_ps(wb + n * kPacked + h);
+#pragma GCC unroll 4
+      for (int m = 0; m < kPMr; ++m) {
+        const __m512 xv = _mm512_load_ps(xb + m * kPacked + h);
+#pragma GCC unroll 6
+        for (int n = 0; n < kPNr; ++n) acc[m][n] = fma_wx(acc[m][n], wv[n], xv);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int m = 0; m < kPMr; ++m)
+#pragma GCC unroll 6
+    for (int n = 0; n < kPNr; ++n) _mm512_store_ps(out + (m * kPNr + n) * kLanes, acc[m][n]);
+}
+
+// A thread's 64-byte aligned float buffers, grown on demand and kept for the thread's life
+// (the pool's threads run every call: no allocation, no page faults per call).
+struct Scratch {
+  float* p = nullptr;
+  int64_t n = 0;
+  Scratch() = default;
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  ~Scratch() { std::free(p); }
+  float* get(int64_t want) {
+    if (want > n) {
+      std::free(p);
+      p = static_cast<float*>(std::aligned_alloc(64, (want * sizeof(float) + 63) / 64 * 64));
+      n = p == nullptr ? 0 : want;
+      if (p == nullptr) throw std::bad_alloc();
+    }
+    return p;
+  }
+};
+
+// One group of `gt` tiles (rows from tile t0 of the packed x panel `xp`) against the packed
+// strip `wp` (weight rows n0..n0 + kPNr), stepping `pf` before each chain of a tile: the
+// chains under DAZ/FTZ into `chains`, then the
+// contract's combine, hsum, bias and rounding under the caller's MXCSR `csr`, into y.
+// bias_pattern[o] is the bias of output o's column (o % kPNr), for every o of a group.
+// chain_major: chain by chain over the tiles (else tile by tile).
+template <typename Out>
+void run_group(const float* xp, int64_t t0, int gt, bool chain_major, const float* wp, const ChainOrder& order,
+               float* chains, const float* bias_pattern, Out* y, int64_t M, int64_t N, int64_t n0, unsigned csr,
+               Prefetch& pf) {
+  constexpr int kTileOut = kPMr * kPNr;
+  const int64_t tile_floats = order.nbt * kPMr * kPacked;
+  const unsigned csr_dpbf = fma_form_csr(csr);
+  auto chain = [&](int u, int g) {
+    pf.step();
+    chain_tile(xp + g * tile_floats, wp, order.begin[u], order.begin[u + 1],
+               chains + (g * kChains + u) * kTileOut * kLanes);
+  };
+  asm volatile("" ::: "memory");
+  _mm_setcsr(csr_dpbf);
+  asm volatile("" ::: "memory");
+  if (chain_major) {
+    for (int u = 0; u < kChains; ++u)
+      for (int g = 0; g < gt; ++g) chain(u, g);
+  } else {
+    for (int g = 0; g < gt; ++g)
+      for (int u = 0; u < kChains; ++u) chain(u, g);
+  }
+  asm volatile("" ::: "memory");
+  _mm_setcsr(csr);
+  asm volatile("" ::: "memory");
+  // Output o = g * kTileOut + m * kPNr + n; its chain u at chains[g][u][m * kPNr + n].
+  alignas(64) float sums[kMaxGroupTiles * kTileOut + 16];
+  const int outs = gt * kTileOut;
+  for (int o0 = 0; o0 < outs; o0 += 16) {
+    __m512 total[16];
+    for (int i = 0; i < 16; ++i) {
+      const int o = o0 + i;
+      if (o >= outs) {
+        total[i] = _mm512_setzero_ps();
+        continue;
+      }
+      const float* c = chains + ((o / kTileOut * kChains) * kTileOut + o % kTileOut) * kLanes;
+      constexpr int64_t kStride = kTileOut * kLanes;  // one chain to the next
+      total[i] = combine_chains(_mm512_load_ps(c), _mm512_load_ps(c + kStride), _mm512_load_ps(c + 2 * kStride),
+                                _mm512_load_ps(c + 3 * kStride));
+    }
+    hsum16x16(total, sums + o0);
+  }
+  // + bias (0 without: -0 becomes +0 as in the decode path), one rounding, then each tile row's
+  // kPNr outputs into y.
+  alignas(64) Out vals[kMaxGroupTiles * kTileOut + 16];
+  for (int o0 = 0; o0 < outs; o0 += 16) {
+    const __m512 v = _mm512_add_ps(_mm512_load_ps(sums + o0), _mm512_load_ps(bias_pattern + o0));
+    if constexpr (std::is_same_v<Out, float>) {
+      _mm512_store_ps(vals + o0, v);
+    } else {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(vals + o0), round_bf16x16(v));
+    }
+  }
+  const int64_t cols = std::min<int64_t>(kPNr, N - n0);
+  for (int g = 0; g < gt; ++g)
+    for (int m = 0; m < kPMr; ++m) {
+      const int64_t row = (t0 + g) * kPMr + m;
+      if (row >= M) break;
+      std::memcpy(y + row * N + n0, vals + g * kTileOut + m * kPNr, cols * sizeof(Out));
+    }
+}
+
+// Threads split the strips of kPNr weight rows; each packs x panel by panel (kept in L2) and,
+// per panel, each of its strips (kept in L1, the next one prefetched meanwhile).
+template <typename Out>
+void packed_run(int64_t M, const uint16_t* x, const uint16_t* w, Bias<Bf16> bias, Out* y, int64_t N, int64_t K) {
+  constexpr int kTileOut = kPMr * kPNr;
+  const ChainOrder order(K);
+  const int64_t tiles = (M + kPMr - 1) / kPMr, tile_floats = order.nbt * kPMr * kPacked;
+  const int64_t strip_floats = order.nbt * kPNr * kPacked;
+  // A strip that fits L1 beside one x tile runs tile by tile (its four chains back to back);
+  // a larger one chain by chain over a group of tiles, so that only the strip's current chain
+  // (a quarter) needs to stay in L1.
+  const bool chain_major = strip_floats * 4 > (24 << 10);
+  const int group = chain_major ? 4 : 1;
+  const int64_t panel = std::max<int64_t>(group, (1 << 20) / (tile_floats * 4) / group * group);
+  const int64_t strips = (N + kPNr - 1) / kPNr;
+  const int64_t strip_bytes = kPNr * K * static_cast<int64_t>(sizeof(uint16_t));
+  at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
+    thread_local Scratch x_buf, w_buf, chain_buf;
+    float* xp = x_buf.get(std::min(panel, tiles) * tile_floats);
+    float* wp = w_buf.get(strip_floats);
+    float* chains = chain_buf.get(kMaxGroupTiles * kChains * kTileOut * kLanes);
+    const unsigned csr = _mm_getcsr();
+    alignas(64) float bias_pattern[kMaxGroupTiles * kTileOut + 16];
+    for (int64_t p0 = 0; p0 < tiles; p0 += panel) {
+      const int64_t p1 = std::min(tiles, p0 + panel);
+      for (int64_t t = p0; t < p1; ++t) pack_rows<kPMr>(x, M, K, t * kPMr, order, xp + (t - p0) * tile_floats);
+      for (int64_t s = s0; s < s1; ++s) {
+        const int64_t n0 = s * kPNr;
+        pack_rows<kPNr>(w, N, K, n0, order, wp);
+        for (int o = 0; o < kMaxGroupTiles * kTileOut + 16; ++o)
+          bias_pattern[o] = n0 + o % kPNr < N ? bias.at(n0 + o % kPNr) : 0.f;
+        // The next strip's weight rows (contiguous) into L2 while this one computes.
+        const int64_t next = s + 1 < s1 ? s + 1 : (p1 < tiles ? s0 : s1);
+        Prefetch pf{nullptr, nullptr, 0};
+        if (next < s1) {
+          pf.pf = reinterpret_cast<const char*>(w + next * kPNr * K);
+          pf.end = reinterpret_cast<const char*>(w + std::min(N, (next + 1) * kPNr) * K);
+          const int64_t calls = (p1 - p0) * kChains;  // chain_tile calls on this strip
+          pf.per = static_cast<int>(((strip_bytes + 63) / 64 + calls - 1) / calls);
+        }
+        for (int64_t g0 = p0; g0 < p1; g0 += group) {
+          const int gt = static_cast<int>(std::min<int64_t>(group, p1 - g0));
+          run_group<Out>(xp + (g0 - p0) * tile_floats, g0, gt, chain_major, wp, order, chains, bias_pattern, y, M, N,
+                         n0, csr, pf);
+        }
+      }
+    }
+  });
+}
+
+// `prefill_fma`: bf16 prefill in the FMA form (else vdpbf16ps); the same bits wherever the
+// caller chose it from the probes below.
 template <typename Kind, typename Out>
 void run(int64_t M, const typename Kind::T* x, const typename Kind::T* w, Bias<Kind> bias, Out* y, int64_t N,
-         int64_t K, bool force_tiled) {
+         int64_t K, bool force_tiled, bool prefill_fma) {
   const int64_t row_bytes = K * static_cast<int64_t>(sizeof(typename Kind::T));
   if (M <= kStreamRows && !force_tiled) {
     // Each thread gets one contiguous run of rows, so it streams one contiguous slab of the
@@ -325,11 +612,157 @@ void run(int64_t M, const typename Kind::T* x, const typename Kind::T* w, Bias<K
     });
     return;
   }
-  // Threads own whole kNr-row strips of the weight (never a share of K).
+  // Threads own whole strips of weight rows (never a share of K).
+  if constexpr (std::is_same_v<Kind, Bf16>) {
+    if (prefill_fma) return packed_run<Out>(M, x, w, bias, y, N, K);
+  }
   const int64_t strips = (N + kNr - 1) / kNr;
   at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
     tiled_range<Kind, Out>(x, w, bias, y, M, N, K, s0 * kNr, std::min(N, s1 * kNr));
   });
+}
+
+// --- the bf16 prefill form's probes ---------------------------------------------------------
+
+// xorshift64: the probes' reproducible random bits.
+struct Rng {
+  uint64_t s;
+  inline uint64_t next() {
+    s ^= s << 13;
+    s ^= s >> 7;
+    s ^= s << 17;
+    return s;
+  }
+};
+
+// bf16 bit patterns the FMA form must get right: signed zeros, denormals, the smallest normals,
+// values whose products are near 2^-126 (exponent 63: 2^-64 squared), ones, values near
+// overflow, the largest finite, infinities, quiet and signalling NaNs with payloads.
+constexpr uint16_t kSpecialBf16[] = {
+    0x0000, 0x8000, 0x0001, 0x8001, 0x0040, 0x007f, 0x807f, 0x0080, 0x8080, 0x0081, 0x00ff,
+    0x0100, 0x1f80, 0x9f80, 0x1fff, 0x2000, 0x2080, 0x3f80, 0xbf80, 0x3fff, 0x7f00, 0xff00,
+    0x7f7f, 0xff7f, 0x7f80, 0xff80, 0x7fc0, 0xffc0, 0x7f81, 0xffc1, 0x7fff, 0x7fa5};
+// fp32 accumulators likewise: zeros, denormals, +-2^-126 and its neighbours, ordinary, near
+// overflow, infinities, NaNs with payloads.
+constexpr uint32_t kSpecialAcc[] = {
+    0x00000000u, 0x80000000u, 0x00000001u, 0x807fffffu, 0x00400000u, 0x00800000u,
+    0x80800000u, 0x00800001u, 0x3f800000u, 0xbf800000u, 0x7f7fffffu, 0xff7fffffu,
+    0x7f000000u, 0x7f800000u, 0xff800000u, 0x7fc00000u, 0xffc00001u, 0x7f800001u};
+
+// One random bf16: a special pattern (1/4), any 16 bits (1/4), or a random sign and mantissa
+// with an exponent from a class (zero/denormal, near 2^-126, products near 2^-126, ordinary,
+// near overflow).
+inline uint16_t probe_bf16(Rng& rng) {
+  const uint64_t r = rng.next();
+  constexpr int kSpecials = sizeof(kSpecialBf16) / sizeof(kSpecialBf16[0]);
+  switch (r & 7) {
+    case 0:
+    case 1: return kSpecialBf16[(r >> 3) % kSpecials];
+    case 2:
+    case 3: return static_cast<uint16_t>(r >> 16);
+  }
+  static constexpr int kLo[] = {0, 1, 59, 120}, kSpan[] = {1, 3, 10, 16};
+  const int cls = static_cast<int>((r >> 3) % 5);
+  const int spread = static_cast<int>((r >> 8) % 16);
+  const int e = cls == 4 ? 250 + spread % 5 : kLo[cls] + spread % kSpan[cls];
+  return static_cast<uint16_t>(((r >> 20) & 1) << 15 | e << 7 | ((r >> 24) & 0x7f));
+}
+
+// One random fp32 accumulator: special (1/4), any 32 bits (1/4), or a random bf16 as above
+// with random low mantissa bits.
+inline uint32_t probe_acc(Rng& rng) {
+  const uint64_t r = rng.next();
+  constexpr int kSpecials = sizeof(kSpecialAcc) / sizeof(kSpecialAcc[0]);
+  switch (r & 3) {
+    case 0: return kSpecialAcc[(r >> 2) % kSpecials];
+    case 1: return static_cast<uint32_t>(r >> 32);
+  }
+  return static_cast<uint32_t>(probe_bf16(rng)) << 16 | static_cast<uint32_t>((r >> 8) & 0xffff);
+}
+
+// How many of `vectors` x 16 lanes differ between acc = vdpbf16ps(acc, w, x) and the FMA form
+// (odd products, then even, under fma_form_csr), NaN matching any NaN; lanes from `seed`. The
+// first vectors pair every special bf16 with every other (as w and x) over the special accs.
+int64_t fma_form_mismatches(int64_t vectors, uint64_t seed) {
+  Rng rng{seed | 1};
+  constexpr int kSpecials = sizeof(kSpecialBf16) / sizeof(kSpecialBf16[0]);
+  constexpr int kAccs = sizeof(kSpecialAcc) / sizeof(kSpecialAcc[0]);
+  const unsigned csr = _mm_getcsr(), csr_fma = fma_form_csr(csr);
+  int64_t bad = 0, pair = 0;
+  for (int64_t v = 0; v < vectors; ++v) {
+    alignas(64) uint16_t wb[32], xb[32];
+    alignas(64) uint32_t ab[16], got[16], want[16];
+    for (int i = 0; i < 32; ++i, ++pair) {
+      const bool all_pairs = pair < kSpecials * kSpecials;
+      wb[i] = all_pairs ? kSpecialBf16[pair / kSpecials] : probe_bf16(rng);
+      xb[i] = all_pairs ? kSpecialBf16[pair % kSpecials] : probe_bf16(rng);
+    }
+    for (int i = 0; i < 16; ++i) ab[i] = v % 2 == 0 ? kSpecialAcc[(v / 2 + i) % kAccs] : probe_acc(rng);
+    const __m512i w = _mm512_load_si512(wb), x = _mm512_load_si512(xb);
+    const __m512 acc = _mm512_load_ps(reinterpret_cast<const float*>(ab));
+    _mm512_store_ps(reinterpret_cast<float*>(want), Bf16::madd(acc, w, x));
+    asm volatile("" ::: "memory");
+    _mm_setcsr(csr_fma);
+    asm volatile("" ::: "memory");
+    const __m512 fma = fma_wx(fma_wx(acc, bf16_odd(w), bf16_odd(x)), bf16_even(w), bf16_even(x));
+    _mm512_store_ps(reinterpret_cast<float*>(got), fma);
+    asm volatile("" ::: "memory");
+    _mm_setcsr(csr);
+    asm volatile("" ::: "memory");
+    for (int i = 0; i < 16; ++i) {
+      const bool nan_g = (got[i] & 0x7fffffffu) > 0x7f800000u, nan_w = (want[i] & 0x7fffffffu) > 0x7f800000u;
+      bad += nan_g || nan_w ? nan_g != nan_w : got[i] != want[i];
+    }
+  }
+  return bad;
+}
+
+// The best of `rounds` times (seconds) of each form's inner loop on one L1-resident tile of
+// kMr x kNr outputs at K = 512 (all four chains, `reps` times over), the two interleaved:
+// (vdpbf16ps form, FMA form). Neither includes packing, which the FMA form amortises over M.
+std::pair<double, double> time_prefill_forms(int64_t reps, int64_t rounds) {
+  static_assert(kMr == kPMr && kNr == kPNr, "the race compares tiles of one shape");
+  constexpr int64_t K = 512;
+  std::vector<uint16_t> x(kMr * K), w(kNr * K);
+  Rng rng{0x9e3779b97f4a7c15ull};
+  for (auto& v : x) v = static_cast<uint16_t>(0x3f00 | (rng.next() & 0xff));  // [0.5, 2), no overflow
+  for (auto& v : w) v = static_cast<uint16_t>(0x3f00 | (rng.next() & 0xff));
+  const ChainOrder order(K);
+  std::vector<float> xp(order.nbt * kPMr * kPacked + 16), wp(order.nbt * kPNr * kPacked + 16);
+  float* xa = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(xp.data()) + 63) & ~uintptr_t{63});
+  float* wa = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(wp.data()) + 63) & ~uintptr_t{63});
+  pack_rows<kPMr>(x.data(), kMr, K, 0, order, xa);
+  pack_rows<kPNr>(w.data(), kNr, K, 0, order, wa);
+  alignas(64) float total[kMr * kNr * kLanes], chains[kChains * kMr * kNr * kLanes];
+  const unsigned csr = _mm_getcsr();
+  auto seconds = [](auto&& body) {
+    const auto t0 = std::chrono::steady_clock::now();
+    body();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  double best_dpbf = 1e30, best_fma = 1e30;
+  for (int64_t round = 0; round <= rounds; ++round) {  // round 0 warms up (caches, clocks)
+    const double t_dpbf = seconds([&] {
+      for (int64_t r = 0; r < reps; ++r) {
+        for (int u = 0; u < kChains; ++u) tile_chain<Bf16, kMr, kNr>(x.data(), w.data(), K, u, total);
+        asm volatile("" : : "r"(total) : "memory");
+      }
+    });
+    _mm_setcsr(fma_form_csr(csr));
+    const double t_fma = seconds([&] {
+      for (int64_t r = 0; r < reps; ++r) {
+        for (int u = 0; u < kChains; ++u)
+          chain_tile(xa, wa, order.begin[u], order.begin[u + 1], chains + u * kMr * kNr * kLanes);
+        asm volatile("" : : "r"(chains) : "memory");
+      }
+    });
+    _mm_setcsr(csr);
+    if (round > 0) {
+      best_dpbf = std::min(best_dpbf, t_dpbf);
+      best_fma = std::min(best_fma, t_fma);
+    }
+  }
+  return {best_dpbf, best_fma};
 }
 
 // Whether linear(x, weight, bias) can run here; false means "use torch". The rules (the
@@ -361,9 +794,11 @@ bool eligible(const at::Tensor& x, const at::Tensor& weight, const c10::optional
 
 // y = x @ weight^T (+ bias): [..., N] in x's dtype (fp32 when out_fp32), or None when the
 // inputs are not eligible (the caller then uses torch). `force_tiled` takes the prefill path
-// for any M (tests: both paths give the same bits).
+// for any M (tests: both paths give the same bits); `prefill_fma` runs bf16 prefill in the FMA
+// form (the caller's choice from the probes; false: vdpbf16ps, right on every CPU).
 c10::optional<at::Tensor> try_linear(const at::Tensor& x, const at::Tensor& weight,
-                                     const c10::optional<at::Tensor>& bias, bool out_fp32, bool force_tiled) {
+                                     const c10::optional<at::Tensor>& bias, bool out_fp32, bool force_tiled,
+                                     bool prefill_fma) {
   if (!eligible(x, weight, bias)) return c10::nullopt;
   const int64_t K = weight.size(1), N = weight.size(0);
   const at::Tensor x2 = x.reshape({-1, K}).contiguous();  // [M, K]
@@ -376,7 +811,8 @@ c10::optional<at::Tensor> try_linear(const at::Tensor& x, const at::Tensor& weig
     Bias<Fp32> b;
     if (bias_c.defined()) b.ptr = bias_c.data_ptr<float>();
     at::Tensor y = at::empty(out_shape, x.options());
-    run<Fp32, float>(M, x2.data_ptr<float>(), weight.data_ptr<float>(), b, y.data_ptr<float>(), N, K, force_tiled);
+    run<Fp32, float>(M, x2.data_ptr<float>(), weight.data_ptr<float>(), b, y.data_ptr<float>(), N, K,
+                     force_tiled, false);
     return y;
   }
   Bias<Bf16> b;
@@ -385,12 +821,12 @@ c10::optional<at::Tensor> try_linear(const at::Tensor& x, const at::Tensor& weig
   const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
   if (out_fp32) {
     at::Tensor y = at::empty(out_shape, x.options().dtype(at::kFloat));
-    run<Bf16, float>(M, xp, wp, b, y.data_ptr<float>(), N, K, force_tiled);
+    run<Bf16, float>(M, xp, wp, b, y.data_ptr<float>(), N, K, force_tiled, prefill_fma);
     return y;
   }
   at::Tensor y = at::empty(out_shape, x.options());
   run<Bf16, c10::BFloat16>(M, xp, wp, b, reinterpret_cast<c10::BFloat16*>(y.data_ptr<at::BFloat16>()), N, K,
-                           force_tiled);
+                           force_tiled, prefill_fma);
   return y;
 }
 
@@ -401,5 +837,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("eligible", &eligible, "whether try_linear runs the kernel for these inputs", py::arg("x"),
         py::arg("weight"), py::arg("bias"));
   m.def("try_linear", &try_linear, "x [..., K] @ weight[N, K]^T (+ bias) for bf16/fp32, or None", py::arg("x"),
-        py::arg("weight"), py::arg("bias"), py::arg("out_fp32"), py::arg("force_tiled") = false);
+        py::arg("weight"), py::arg("bias"), py::arg("out_fp32"), py::arg("force_tiled") = false,
+        py::arg("prefill_fma") = false);
+  m.def("fma_form_mismatches", &fma_form_mismatches,
+        "lanes (of vectors x 16) where the FMA form of a bf16 block differs from vdpbf16ps (NaN as NaN)",
+        py::arg("vectors"), py::arg("seed"));
+  m.def("time_prefill_forms", &time_prefill_forms,
+        "best seconds of the (vdpbf16ps, FMA) prefill inner loops over `rounds`, each `reps` tiles",
+        py::arg("reps"), py::arg("rounds"));
 }
