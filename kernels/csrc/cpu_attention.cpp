@@ -26,7 +26,9 @@
 //
 //   decode_batch(q [B, Hq, D], [k_b [S_b, Hkv, D]], [v_b], scale) -> [B, Hq, D]: the decode
 //   steps of B sequences in one call (one parallel region over (sequence, kv head) pairs);
-//   row b is attention(q[b][None], k_b, v_b, scale)[0], the same bits.
+//   row b is attention(q[b][None], k_b, v_b, scale)[0], the same bits. Decode rows (this and
+//   attention with T = 1 and no offset, window, extra keys or sinks) skip the staging: see
+//   `decode_heads`.
 // Compiled with -mavx512f -mavx512bw -mavx512vl -ffp-contract=off.
 
 #include <ATen/Parallel.h>
@@ -39,6 +41,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "vec_math.h"
@@ -138,22 +141,31 @@ void stage_head(const T* k, const T* v, int64_t rows, int64_t shift, int64_t npa
 }
 
 // One online-softmax update of row state (m, l, o) by a tile: scores sc (masked lanes -inf),
-// `valid` lanes, values vr (staged rows of the tile's first key).
+// `valid` lanes, values vr (staged rows of the tile's first key). `advance` is its softmax part:
+// it moves m and l, writes the weights w (masked lanes 0) and returns alpha for o.
+inline float advance(float& m, float& l, __m512 sc, __mmask16 valid, float* w) {
+  const float m_new = std::max(m, _mm512_reduce_max_ps(sc));  // max: exact in any order
+  const __m512 p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(m_new))));
+  // alpha = exp(m - m_new), 0 on the first tile; an unchanged max gives exp512(0) = 1 exactly,
+  // so that exp is skipped
+  const float alpha =
+      std::isinf(m) ? 0.f : m_new == m ? 1.f : _mm512_cvtss_f32(exp512(_mm512_set1_ps(m - m_new)));
+  l = l * alpha + hsum16(p);
+  m = m_new;
+  _mm512_store_ps(w, p);
+  return alpha;
+}
+
 template <int DV>
 inline void update(float& m, float& l, __m512* o, __m512 sc, __mmask16 valid, const float* vr) {
   const int64_t dp = DV * 16;
-  const float m_new = std::max(m, _mm512_reduce_max_ps(sc));  // max: exact in any order
-  const __m512 p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(m_new))));
-  const float alpha = std::isinf(m) ? 0.f : _mm512_cvtss_f32(exp512(_mm512_set1_ps(m - m_new)));
-  l = l * alpha + hsum16(p);
-  m = m_new;
+  alignas(64) float w[kTile];
+  const float alpha = advance(m, l, sc, valid, w);
   const __m512 a = _mm512_set1_ps(alpha);
   // The row's output in locals through the tile (o may alias vr for the compiler: updated in
-  // place, every fused multiply-add would go through memory).
+  // place, every fused multiply-add would go through memory). o * 1 is o: skipped.
   __m512 acc[DV];
-  for (int dv = 0; dv < DV; ++dv) acc[dv] = _mm512_mul_ps(o[dv], a);
-  alignas(64) float w[kTile];
-  _mm512_store_ps(w, p);
+  for (int dv = 0; dv < DV; ++dv) acc[dv] = alpha == 1.f ? o[dv] : _mm512_mul_ps(o[dv], a);
   for (int i = 0; i < kTile; ++i) {
     if (!((valid >> i) & 1)) continue;
     const __m512 wi = _mm512_set1_ps(w[i]);
@@ -356,25 +368,6 @@ void run(const Call<T>& c) {
   });
 }
 
-// Calls of one kv head count (and dtype) in one parallel region over (call, head) pairs, in call
-// order (a thread reads neighbouring heads of the same key rows). Each pair runs as a head
-// of `run` does (the same functions on the same shape: the same bits).
-template <typename T>
-void run_batch(const std::vector<Call<T>>& calls) {
-  const int64_t B = static_cast<int64_t>(calls.size()), Hkv = calls[0].s.Hkv;
-  if (B * Hkv < at::get_num_threads()) {
-    for (const Call<T>& c : calls) run(c);
-    return;
-  }
-  int64_t head = 0;
-  for (const Call<T>& c : calls) head = std::max(head, c.head);
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
-    static thread_local std::vector<float> local;
-    float* base = buffer(local, head);
-    for (int64_t i = i0; i < i1; ++i) calls[i / Hkv].head_at(i % Hkv, base);
-  });
-}
-
 int64_t padded_dv(int64_t d) {
   const int64_t dv = (d + 15) / 16;
   for (int64_t c : {1, 2, 3, 4, 5, 6, 8, 12, 16, 32})
@@ -382,15 +375,20 @@ int64_t padded_dv(int64_t d) {
   return -1;
 }
 
+// k, v [S, Hkv, D] for T query rows of Hq heads of size D, dtype dt (bf16 or fp32)
+bool eligible_kv(at::ScalarType dt, int64_t T, int64_t Hq, int64_t D, const at::Tensor& k, const at::Tensor& v) {
+  if (k.scalar_type() != dt || v.scalar_type() != dt) return false;
+  if (!k.device().is_cpu() || !v.device().is_cpu()) return false;
+  if (k.dim() != 3 || v.dim() != 3) return false;
+  if (k.sizes() != v.sizes() || D != k.size(2) || T > k.size(0) || T < 1) return false;
+  if (k.size(1) < 1 || Hq % k.size(1) != 0) return false;
+  return padded_dv(D) > 0;
+}
+
 bool eligible(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   const auto dt = q.scalar_type();
-  if (dt != at::kBFloat16 && dt != at::kFloat) return false;
-  if (k.scalar_type() != dt || v.scalar_type() != dt) return false;
-  if (!q.device().is_cpu() || !k.device().is_cpu() || !v.device().is_cpu()) return false;
-  if (q.dim() != 3 || k.dim() != 3 || v.dim() != 3) return false;
-  if (k.sizes() != v.sizes() || q.size(2) != k.size(2) || q.size(0) > k.size(0) || q.size(0) < 1) return false;
-  if (k.size(1) < 1 || q.size(1) % k.size(1) != 0) return false;
-  return padded_dv(q.size(2)) > 0;
+  if ((dt != at::kBFloat16 && dt != at::kFloat) || !q.device().is_cpu() || q.dim() != 3) return false;
+  return eligible_kv(dt, q.size(0), q.size(1), q.size(2), k, v);
 }
 
 // The shape of T query rows of Hq heads against k [S, Hkv, D] (no extra keys, no sinks).
@@ -416,6 +414,305 @@ Shape shape_of(int64_t T, const at::Tensor& k, int64_t Hq, double scale, int64_t
 template <typename T>
 T* ptr(const at::Tensor& t) {
   return reinterpret_cast<T*>(t.data_ptr());
+}
+
+// ---- Decode straight from the cache rows ------------------------------------------------
+// A decode row (T = 1, offset 0, no window, extra keys or sinks) over k, v [S, Hkv, D]: the
+// same tiles, score chains and online-softmax steps as `group`, without staging whole heads.
+// Per tile of 16 keys, the key slices of a few heads are transposed into kt (small enough for
+// L1) for the score chains, and the value sums read the value rows in place. bf16 -> fp32 is
+// exact, so the fp32 operands, and the bits, are those of the staged path.
+//
+// bf16 rows are read as dwords: dword e of a key's slice holds dims 2e (low half) and 2e + 1
+// (high half), and x << 16, x & 0xffff0000 are those two dims as fp32. One 16x16 dword
+// transpose thus yields 32 dims of 16 keys (kt keeps the transposed dwords). The row state o
+// keeps the split: per chunk c of 32 dims, o[2c] lane j is dim 32c + 2j and o[2c + 1] lane j
+// dim 32c + 2j + 1; the value sums are elementwise over dims, and `finish` puts them in order.
+//
+// A decode row has few score chains per kv head (G), each D fused multiply-adds long: the
+// chains of several heads run together (kChains at a time) to hide the FMA latency, and the
+// value sums of the heads follow one another (independent chains, overlapped).
+
+constexpr int kChains = 8;  // score chains computed together
+
+// fp32 vectors of a row state: DV for fp32; two per 32 dims for bf16, padded to an
+// instantiated count (always even).
+template <typename T>
+int64_t state_nv(int64_t d) {
+  return std::is_same<T, float>::value ? padded_dv(d) : padded_dv(2 * ((d + 31) / 32) * 16);
+}
+
+inline __mmask32 first_bits32(int n) { return n >= 32 ? ~__mmask32(0) : (__mmask32)((1u << n) - 1); }
+// dims d0 .. d0 + n - 1 (n <= 32) of a bf16 row as 16 dwords (zero past n)
+inline __m512i load_pairs(const c10::BFloat16* p, int n) {
+  return n >= 32 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(first_bits32(n), p);
+}
+inline __m512 low_dims(__m512i pairs) { return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)); }
+inline __m512 high_dims(__m512i pairs) {
+  return _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
+// Key rows 0 .. nk-1 at kh (one head, `row` elements apart; rows >= nk as zero), transposed:
+// fp32: kt [D][16], kt[d] lane i = key i's dim d. bf16: kt [ceil(D / 2)][16] dwords, kt[e]
+// lane i = key i's dims 2e, 2e + 1. Whole transposes are stored (zero past D; kt has room):
+// a store loop of variable length becomes a memcpy from the stack.
+inline void tile_keys(const float* kh, int64_t row, int nk, int64_t D, float* kt) {
+  for (int64_t d0 = 0; d0 < D; d0 += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, D - d0));
+    __m512 r[16];
+    for (int i = 0; i < 16; ++i) r[i] = i < nk ? load_row(kh + i * row + d0, n) : _mm512_setzero_ps();
+    transpose16(r);  // r[j] lane i: key i, dim d0 + j
+    for (int j = 0; j < 16; ++j) _mm512_store_ps(kt + (d0 + j) * 16, r[j]);
+  }
+}
+inline void tile_keys(const c10::BFloat16* kh, int64_t row, int nk, int64_t D, float* kt) {
+  for (int64_t d0 = 0; d0 < D; d0 += 32) {
+    const int n = static_cast<int>(std::min<int64_t>(32, D - d0));  // dims in this chunk
+    __m512 r[16];
+    for (int i = 0; i < 16; ++i)
+      r[i] = i < nk ? _mm512_castsi512_ps(load_pairs(kh + i * row + d0, n)) : _mm512_setzero_ps();
+    transpose16(r);  // r[j] lane i: key i, dims d0 + 2j, d0 + 2j + 1
+    for (int j = 0; j < 16; ++j) _mm512_store_ps(kt + (d0 / 2 + j) * 16, r[j]);
+  }
+}
+
+// Raw scores of kChains chains: acc[x] lane i = fma chain over d = 0 .. D-1 of q[x][d] * key i's
+// dim d, from 0, where q rows are QS floats apart and chains u R .. u R + R - 1 share the keys
+// kt[u] (as tile_keys writes them).
+template <int R, int64_t QS>
+inline void tile_scores(const float* q, const float* const* kt, int64_t D, float, __m512* acc) {
+  constexpr int U = kChains / R;
+  const float* ku[U];
+  for (int u = 0; u < U; ++u) ku[u] = kt[u];
+  __m512 a[kChains];  // in registers through the loop (acc may alias q or kt for the compiler)
+  for (int x = 0; x < kChains; ++x) a[x] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; ++d)
+    for (int u = 0; u < U; ++u) {
+      const __m512 k = _mm512_load_ps(ku[u] + d * 16);
+      for (int r = 0; r < R; ++r)
+        a[u * R + r] = _mm512_fmadd_ps(_mm512_set1_ps(q[(u * R + r) * QS + d]), k, a[u * R + r]);
+    }
+  for (int x = 0; x < kChains; ++x) acc[x] = a[x];
+}
+template <int R, int64_t QS>
+inline void tile_scores(const float* q, const float* const* kt, int64_t D, c10::BFloat16, __m512* acc) {
+  constexpr int U = kChains / R;
+  const float* ku[U];
+  for (int u = 0; u < U; ++u) ku[u] = kt[u];
+  __m512 a[kChains];
+  for (int x = 0; x < kChains; ++x) a[x] = _mm512_setzero_ps();
+  auto step = [&](int64_t d, int u, __m512 k) {
+    for (int r = 0; r < R; ++r)
+      a[u * R + r] = _mm512_fmadd_ps(_mm512_set1_ps(q[(u * R + r) * QS + d]), k, a[u * R + r]);
+  };
+  for (int64_t e = 0; e < D / 2; ++e)
+    for (int u = 0; u < U; ++u) {
+      const __m512i pairs = _mm512_load_si512(ku[u] + e * 16);
+      step(2 * e, u, low_dims(pairs));
+      step(2 * e + 1, u, high_dims(pairs));
+    }
+  if (D % 2 == 1)
+    for (int u = 0; u < U; ++u) step(D - 1, u, low_dims(_mm512_load_si512(ku[u] + D / 2 * 16)));
+  for (int x = 0; x < kChains; ++x) acc[x] = a[x];
+}
+
+// The value sums of RB rows of one kv head (states o[r], alpha[r], weights w[r]) over the tile's
+// value rows at vh (`row` elements apart): o = o * alpha (skipped for alpha = 1: the same bits),
+// then per valid key in increasing order one fused multiply-add per row and 16 dims.
+template <int NV, int RB>
+inline void tile_sums(__m512* const* o, const float* alpha, const float (*w)[kTile], __mmask16 valid,
+                      const float* vh, int64_t row, int64_t D) {
+  __m512 acc[RB][NV];  // in registers through the tile
+  for (int r = 0; r < RB; ++r)
+    for (int dv = 0; dv < NV; ++dv)
+      acc[r][dv] = alpha[r] == 1.f ? o[r][dv] : _mm512_mul_ps(o[r][dv], _mm512_set1_ps(alpha[r]));
+  for (int i = 0; i < kTile; ++i) {
+    if (!((valid >> i) & 1)) continue;
+    for (int dv = 0; dv < NV; ++dv) {
+      const int n = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, D - dv * 16)));
+      const __m512 x = n > 0 ? load_row(vh + i * row + dv * 16, n) : _mm512_setzero_ps();
+      for (int r = 0; r < RB; ++r) acc[r][dv] = _mm512_fmadd_ps(_mm512_set1_ps(w[r][i]), x, acc[r][dv]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int dv = 0; dv < NV; ++dv) o[r][dv] = acc[r][dv];
+}
+template <int NV, int RB>
+inline void tile_sums(__m512* const* o, const float* alpha, const float (*w)[kTile], __mmask16 valid,
+                      const c10::BFloat16* vh, int64_t row, int64_t D) {
+  __m512 acc[RB][NV];
+  for (int r = 0; r < RB; ++r)
+    for (int dv = 0; dv < NV; ++dv)
+      acc[r][dv] = alpha[r] == 1.f ? o[r][dv] : _mm512_mul_ps(o[r][dv], _mm512_set1_ps(alpha[r]));
+  for (int i = 0; i < kTile; ++i) {
+    if (!((valid >> i) & 1)) continue;
+    for (int c = 0; c < NV / 2; ++c) {
+      const int n = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(32, D - c * 32)));
+      const __m512i pairs = n > 0 ? load_pairs(vh + i * row + c * 32, n) : _mm512_setzero_si512();
+      const __m512 lo = low_dims(pairs), hi = high_dims(pairs);
+      for (int r = 0; r < RB; ++r) {
+        const __m512 wi = _mm512_set1_ps(w[r][i]);
+        acc[r][2 * c] = _mm512_fmadd_ps(wi, lo, acc[r][2 * c]);
+        acc[r][2 * c + 1] = _mm512_fmadd_ps(wi, hi, acc[r][2 * c + 1]);
+      }
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int dv = 0; dv < NV; ++dv) o[r][dv] = acc[r][dv];
+}
+
+// out row = o / l (elementwise, as `group`), dims back in order.
+template <int NV>
+inline void finish(const __m512* o, float l, int64_t D, float* orow) {
+  const __m512 lv = _mm512_set1_ps(l);
+  for (int dv = 0; dv < NV && dv * 16 < D; ++dv)
+    store(orow + dv * 16, _mm512_div_ps(o[dv], lv), static_cast<int>(std::min<int64_t>(16, D - dv * 16)));
+}
+template <int NV>
+inline void finish(const __m512* o, float l, int64_t D, c10::BFloat16* orow) {
+  const __m512 lv = _mm512_set1_ps(l);
+  // lanes 2j, 2j + 1 of the result: even[j], odd[j] (first half: j = 0..7, second: j = 8..15)
+  const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  for (int c = 0; c < NV / 2 && c * 32 < D; ++c) {
+    const __m512 even = _mm512_div_ps(o[2 * c], lv), odd = _mm512_div_ps(o[2 * c + 1], lv);
+    store(orow + c * 32, _mm512_permutex2var_ps(even, first, odd), static_cast<int>(std::min<int64_t>(16, D - c * 32)));
+    if (c * 32 + 16 < D)
+      store(orow + c * 32 + 16, _mm512_permutex2var_ps(even, second, odd),
+            static_cast<int>(std::min<int64_t>(16, D - c * 32 - 16)));
+  }
+}
+
+// One sequence's decode step: q [Hq, D] against k, v [S, Hkv, D] -> out [Hq, D].
+template <typename T>
+struct Decode {
+  const T *q, *k, *v;
+  T* out;
+  Shape s;
+};
+
+// Kv heads h0 .. h1-1 of one decode step, in one sweep over the key tiles (each tile's rows are
+// read once for all these heads); per tile, passes of `heads_per_pass` heads. work: 64-byte
+// aligned, decode_work floats.
+int64_t heads_per_pass(const Shape& s) { return std::max<int64_t>(1, kChains / s.G); }
+int64_t decode_work(const Shape& s, int64_t nv, int64_t heads) {
+  return kChains * nv * 16 * 16 + (heads * s.G + kChains) * (2 * nv * 16 + 32);
+}
+template <int NV, typename T>
+void decode_heads(const Decode<T>& c, int64_t h0, int64_t h1, float* work) {
+  const Shape& s = c.s;
+  constexpr int64_t kd = NV * 16 * 16, qs = NV * 16;  // floats per head in kt (D <= NV * 16), per row in qf
+  const int64_t rows = (h1 - h0) * s.G, row = s.Hkv * s.D, hp = heads_per_pass(s);
+  // row x of this call: query head h0 * G + x
+  float* kt = work;                                               // [kChains][kd]
+  auto* o = reinterpret_cast<__m512*>(kt + kChains * kd);         // [rows][NV]
+  auto* sc = reinterpret_cast<float(*)[kTile]>(o + rows * NV);    // [rows][16]: scores, then weights
+  auto* qf = reinterpret_cast<float(*)[qs]>(sc + rows + kChains);  // [rows + kChains][NV * 16], zero past rows
+  float* m = qf[rows + kChains];                                  // [rows]
+  float* l = m + rows;                                            // [rows]
+  float* alpha = l + rows;                                        // [rows]
+  for (int64_t x = 0; x < rows; ++x) {
+    const T* qr = c.q + (h0 * s.G + x) * s.D;
+    for (int64_t d = 0; d < s.D; ++d) qf[x][d] = static_cast<float>(qr[d]);
+    m[x] = -std::numeric_limits<float>::infinity();
+    l[x] = 0.f;
+    for (int dv = 0; dv < NV; ++dv) o[x * NV + dv] = _mm512_setzero_ps();
+  }
+  std::fill(qf[rows], qf[rows + kChains], 0.f);  // the rows of unused chains
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 scale = _mm512_set1_ps(s.scale);
+  // R rows per key load in the score chains: the largest power of two <= 8 dividing G
+  const int64_t rg = std::min<int64_t>(8, s.G & -s.G);
+  void (*scores)(const float*, const float* const*, int64_t, T, __m512*) = &tile_scores<8, qs>;
+  if (rg == 1) scores = &tile_scores<1, qs>;
+  if (rg == 2) scores = &tile_scores<2, qs>;
+  if (rg == 4) scores = &tile_scores<4, qs>;
+  // RB rows per value load in the sums: 2 where G is even and 2 NV sums fit in registers
+  const int64_t rb = s.G % 2 == 0 && NV <= 8 ? 2 : 1;
+  for (int64_t kb = 0; kb < s.S; kb += kTile) {
+    const int nk = static_cast<int>(std::min<int64_t>(kTile, s.S - kb));
+    const __mmask16 valid = (__mmask16)((1u << nk) - 1);  // the row (position S - 1) sees keys 0 .. S-1
+    for (int64_t hs = h0; hs < h1; hs += hp) {
+      const int64_t he = std::min(h1, hs + hp), x0 = (hs - h0) * s.G, x1 = (he - h0) * s.G;
+      for (int64_t h = hs; h < he; ++h) tile_keys(c.k + kb * row + h * s.D, row, nk, s.D, kt + (h - hs) * kd);
+      for (int64_t xb = x0; xb < x1; xb += kChains) {
+        // rows xb + u R .. xb + u R + R - 1 are query heads of one kv head (R divides G and
+        // kChains); chains past x1 are computed and dropped (keys: the pass's first head)
+        const float* ku[kChains];
+        for (int64_t u = 0; u < kChains / rg; ++u) {
+          const int64_t slot = (xb + u * rg - x0) / s.G;
+          ku[u] = kt + (slot < he - hs ? slot : 0) * kd;
+        }
+        __m512 acc[kChains];
+        scores(qf[xb], ku, s.D, T{}, acc);
+        for (int64_t x = xb; x < std::min(x1, xb + kChains); ++x)
+          _mm512_store_ps(sc[x], _mm512_mask_mov_ps(neg_inf, valid, _mm512_mul_ps(acc[x - xb], scale)));
+      }
+      for (int64_t x = x0; x < x1; ++x) alpha[x] = advance(m[x], l[x], _mm512_load_ps(sc[x]), valid, sc[x]);
+      for (int64_t x = x0; x < x1; x += rb) {
+        const T* vh = c.v + kb * row + (h0 + x / s.G) * s.D;
+        __m512* os[2] = {o + x * NV, o + (x + rb - 1) * NV};
+        if (rb == 2)
+          tile_sums<NV, 2>(os, alpha + x, sc + x, valid, vh, row, s.D);
+        else
+          tile_sums<NV, 1>(os, alpha + x, sc + x, valid, vh, row, s.D);
+      }
+    }
+  }
+  for (int64_t x = 0; x < rows; ++x) finish<NV>(o + x * NV, l[x], s.D, c.out + (h0 * s.G + x) * s.D);
+}
+
+template <typename T>
+using DecodeFn = void (*)(const Decode<T>&, int64_t, int64_t, float*);
+
+template <typename T>
+DecodeFn<T> decode_for(int64_t nv) {
+  switch (nv) {
+    case 1: return &decode_heads<1, T>;
+    case 2: return &decode_heads<2, T>;
+    case 3: return &decode_heads<3, T>;
+    case 4: return &decode_heads<4, T>;
+    case 5: return &decode_heads<5, T>;
+    case 6: return &decode_heads<6, T>;
+    case 8: return &decode_heads<8, T>;
+    case 12: return &decode_heads<12, T>;
+    case 16: return &decode_heads<16, T>;
+    case 32: return &decode_heads<32, T>;
+  }
+  return nullptr;
+}
+
+// The decode steps of several sequences (one dtype, Hq, Hkv, D) in one parallel region. The
+// (sequence, kv head) pairs, in order, are cut into one contiguous run per thread of about
+// equal cost (key tiles); a thread sweeps each sequence of its run once for the run's heads.
+// Which thread computes a pair does not change its bits.
+template <typename T>
+void run_decode(const std::vector<Decode<T>>& seqs) {
+  const Shape& s0 = seqs[0].s;
+  const int64_t B = static_cast<int64_t>(seqs.size()), Hkv = s0.Hkv, pairs = B * Hkv;
+  const int64_t nv = state_nv<T>(s0.D);
+  const DecodeFn<T> fn = decode_for<T>(nv);
+  TORCH_CHECK(fn != nullptr, "cpu_attention: head_dim ", s0.D, " is not supported");
+  const int64_t nt = std::min<int64_t>(at::get_num_threads(), pairs);
+  // begin[t]: the first pair of thread t's run (pair i goes to the thread its cost midpoint falls in)
+  std::vector<int64_t> begin(nt + 1, pairs);
+  int64_t total = 0;
+  for (const Decode<T>& c : seqs) total += Hkv * ((c.s.S + kTile - 1) / kTile);
+  for (int64_t i = 0, before = 0, t = 0; i < pairs; ++i) {
+    const int64_t cost = (seqs[i / Hkv].s.S + kTile - 1) / kTile;
+    const int64_t owner = std::min(nt - 1, (2 * before + cost) * nt / (2 * total));
+    while (t <= owner) begin[t++] = i;
+    before += cost;
+  }
+  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+    static thread_local std::vector<float> local;
+    float* work = buffer(local, decode_work(s0, nv, Hkv));
+    for (int64_t i = begin[t0]; i < begin[t1];) {
+      const int64_t b = i / Hkv, h0 = i % Hkv, h1 = std::min(Hkv, h0 + begin[t1] - i);
+      fn(seqs[b], h0, h1, work);
+      i += h1 - h0;
+    }
+  });
 }
 
 // attention for q [T, Hq, D] against k, v [S, Hkv, D]; None when not eligible.
@@ -455,14 +752,23 @@ c10::optional<at::Tensor> try_attention(const at::Tensor& q, const at::Tensor& k
   s.mask = has_extra ? reinterpret_cast<const uint8_t*>(maskc.data_ptr<bool>()) : nullptr;
   s.sinks = sinkc.defined() ? sinkc.data_ptr<float>() : nullptr;
   at::Tensor out = at::empty(q.sizes(), q.options());
+  // a decode row: straight from the cache rows (the same bits)
+  const bool decode_row = s.T == 1 && offset == 0 && window == 0 && !has_extra && s.sinks == nullptr;
   if (q.scalar_type() == at::kFloat) {
-    run(Call<float>(qc.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(),
-                    has_extra ? xkc.data_ptr<float>() : nullptr, has_extra ? xvc.data_ptr<float>() : nullptr,
-                    out.data_ptr<float>(), s));
+    if (decode_row)
+      run_decode(std::vector<Decode<float>>{{qc.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(),
+                                             out.data_ptr<float>(), s}});
+    else
+      run(Call<float>(qc.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(),
+                      has_extra ? xkc.data_ptr<float>() : nullptr, has_extra ? xvc.data_ptr<float>() : nullptr,
+                      out.data_ptr<float>(), s));
   } else {
     using B = c10::BFloat16;
-    run(Call<B>(ptr<B>(qc), ptr<B>(kc), ptr<B>(vc), has_extra ? ptr<B>(xkc) : nullptr,
-                has_extra ? ptr<B>(xvc) : nullptr, ptr<B>(out), s));
+    if (decode_row)
+      run_decode(std::vector<Decode<B>>{{ptr<B>(qc), ptr<B>(kc), ptr<B>(vc), ptr<B>(out), s}});
+    else
+      run(Call<B>(ptr<B>(qc), ptr<B>(kc), ptr<B>(vc), has_extra ? ptr<B>(xkc) : nullptr,
+                  has_extra ? ptr<B>(xvc) : nullptr, ptr<B>(out), s));
   }
   return out;
 }
@@ -472,13 +778,16 @@ c10::optional<at::Tensor> try_attention(const at::Tensor& q, const at::Tensor& k
 c10::optional<at::Tensor> try_decode_batch(const at::Tensor& q, const std::vector<at::Tensor>& ks,
                                            const std::vector<at::Tensor>& vs, double scale) {
   const int64_t B = static_cast<int64_t>(ks.size());
-  if (B == 0 || vs.size() != ks.size() || q.dim() != 3 || q.size(0) != B) return c10::nullopt;
+  const auto dt = q.scalar_type();
+  if (B == 0 || vs.size() != ks.size() || q.dim() != 3 || q.size(0) != B || !q.device().is_cpu() ||
+      (dt != at::kBFloat16 && dt != at::kFloat))
+    return c10::nullopt;
   const at::Tensor qc = q.contiguous();
   std::vector<at::Tensor> held;  // contiguous keys and values, alive until the kernel is done
   held.reserve(2 * B);
   for (int64_t b = 0; b < B; ++b) {
     const at::Tensor &k = ks[b], &v = vs[b];
-    if (k.dim() != 3 || k.size(1) != ks[0].size(1) || !eligible(qc[b].unsqueeze(0), k, v))
+    if (k.dim() != 3 || k.size(1) != ks[0].size(1) || !eligible_kv(dt, 1, q.size(1), q.size(2), k, v))
       return c10::nullopt;
     held.push_back(k.contiguous());
     held.push_back(v.contiguous());
@@ -487,14 +796,14 @@ c10::optional<at::Tensor> try_decode_batch(const at::Tensor& q, const std::vecto
   const int64_t step = qc.size(1) * qc.size(2);
   auto run_as = [&](auto tag) {
     using T = decltype(tag);
-    std::vector<Call<T>> calls;
-    calls.reserve(B);
+    std::vector<Decode<T>> seqs;
+    seqs.reserve(B);
     for (int64_t b = 0; b < B; ++b) {
       const at::Tensor &k = held[2 * b], &v = held[2 * b + 1];
-      calls.emplace_back(ptr<T>(qc) + b * step, ptr<T>(k), ptr<T>(v), nullptr, nullptr,
-                         ptr<T>(out) + b * step, shape_of(1, k, qc.size(1), scale, 0, 0));
+      seqs.push_back({ptr<T>(qc) + b * step, ptr<T>(k), ptr<T>(v), ptr<T>(out) + b * step,
+                      shape_of(1, k, qc.size(1), scale, 0, 0)});
     }
-    run_batch(calls);
+    run_decode(seqs);
   };
   if (qc.scalar_type() == at::kFloat)
     run_as(float{});
