@@ -9,15 +9,18 @@ some M; fp32 differs between 1 and 2 rows). The C++ kernel (kernels/csrc/cpu_lin
 has a streaming path for M <= STREAM_ROWS (decode: bound by DRAM) and a register-tiled path
 above (prefill: bound by arithmetic), giving identical bits.
 
-The bf16 prefill path has two forms with the same bits where both are used: "dpbf16" (one
+The bf16 product has two forms with the same bits where both are used: "dpbf16" (one
 vdpbf16ps per 32 products, right on every CPU) and "fma" (the same products as two fp32 FMAs
-under DAZ/FTZ on unpacked panels: an inner loop ~2x faster, prefill 1.3-1.6x, where
-vdpbf16ps runs at a quarter of the FMA rate, as on Sapphire/Emerald Rapids without AMX; ~2x
-slower where it runs at the FMA rate, as on Zen 4). Once per process, at load, a probe picks: "fma" only when it matches vdpbf16ps on
-every probed lane (random bits plus denormals, zeros, inf, NaN, values near overflow and near
-2^-126) AND its inner loop wins the race by MIN_FMA_SPEEDUP; else "dpbf16". `prefill_form()`
-says which. KEEPWARM_CPU_PREFILL_FORM=fma|dpbf16 forces one (tests); forcing "fma" where the
-probe finds it inexact raises instead of running it.
+under DAZ/FTZ on unpacked x: a prefill inner loop ~2x faster, prefill 1.3-1.6x, decode of
+DECODE_FMA_ROWS..STREAM_ROWS rows 1.1-1.2x where its arithmetic binds, where vdpbf16ps runs at a
+quarter of the FMA rate, as on Sapphire/Emerald Rapids without AMX; ~2x slower where it runs
+at the FMA rate, as on Zen 4). The form holds for both paths (decode below DECODE_FMA_ROWS rows
+keeps vdpbf16ps: bound by DRAM, the FMA form is no faster there). Once per process, at load, a
+probe picks: "fma" only when it matches vdpbf16ps on every probed lane (random bits plus
+denormals, zeros, inf, NaN, values near overflow and near 2^-126) AND its prefill inner loop
+wins the race by MIN_FMA_SPEEDUP; else "dpbf16". `prefill_form()` says which (the name predates
+the decode form). KEEPWARM_CPU_PREFILL_FORM=fma|dpbf16 forces one (tests); forcing "fma" where
+the probe finds it inexact raises instead of running it.
 
   kernel when: the extension loaded (CPU has avx512_bf16 and the build succeeded), x and
   weight share a dtype, bf16 or fp32, on CPU, weight is contiguous [N, K], x has >= 1 row
@@ -48,6 +51,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "cpu_linear.cpp"
 EXTENSION_NAME = "keepwarm_cpu_linear"
 STREAM_ROWS = 16  # rows up to which the streaming (decode) path runs (kStreamRows in C++)
+DECODE_FMA_ROWS = 4  # rows from which the decode path runs the "fma" form (kStreamFmaRows in C++)
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 # Explicit ISA flags rather than -march=native: a cached build must not use instructions the
 # runtime check did not verify.
@@ -156,13 +160,13 @@ def decide_prefill_form(forced: str, probe: PrefillProbe) -> PrefillForm:
 
 
 def choose_prefill_form(ext: ModuleType) -> PrefillForm:
-    """The bf16 prefill form for this extension, from KEEPWARM_CPU_PREFILL_FORM (read now) and
-    the extension's probe (`decide_prefill_form`)."""
+    """The bf16 form (prefill, and decode from DECODE_FMA_ROWS rows) for this extension, from
+    KEEPWARM_CPU_PREFILL_FORM (read now) and the extension's probe (`decide_prefill_form`)."""
     forced = os.environ.get(PREFILL_FORM_ENV, "")
     probe = probe_prefill(ext)
     form = decide_prefill_form(forced, probe)
     log.info(
-        "cpu_linear: bf16 prefill form %s (%s; FMA form exact: %s, inner loop %.2fx vdpbf16ps)",
+        "cpu_linear: bf16 form %s (%s; FMA form exact: %s, prefill inner loop %.2fx vdpbf16ps)",
         form,
         f"forced by {PREFILL_FORM_ENV}" if forced else "probed",
         probe.exact,
@@ -174,7 +178,7 @@ def choose_prefill_form(ext: ModuleType) -> PrefillForm:
 @dataclass(frozen=True)
 class CpuLinear:
     """`linear` bound to one loaded extension (or none: then it is torch's F.linear) and its
-    bf16 prefill form."""
+    bf16 form (both paths)."""
 
     ext: ModuleType | None
     prefill_form: PrefillForm = "dpbf16"
@@ -218,7 +222,7 @@ def load(
     flags: frozenset[str] | None = None,
     build_dir: Path | None = None,
 ) -> CpuLinear:
-    """Build and load the kernel, and choose its bf16 prefill form (`bind`). Without the CPU
+    """Build and load the kernel, and choose its bf16 form (`bind`). Without the CPU
     features, or when the build fails, or with KEEPWARM_CPU_LINEAR=0, the result falls back
     to torch (and says why in one log line). Raises only for a bad KEEPWARM_CPU_PREFILL_FORM."""
     if os.environ.get("KEEPWARM_CPU_LINEAR", "1") == "0":
@@ -240,7 +244,7 @@ def load(
 
 
 def bind(ext: ModuleType) -> CpuLinear:
-    """The kernel of a loaded extension in the prefill form chosen now (KEEPWARM_CPU_PREFILL_FORM
+    """The kernel of a loaded extension in the bf16 form chosen now (KEEPWARM_CPU_PREFILL_FORM
     read again; the probe runs once per extension)."""
     return CpuLinear(ext, choose_prefill_form(ext))
 
@@ -258,7 +262,8 @@ def available() -> bool:
 
 
 def prefill_form() -> PrefillForm | None:
-    """The process kernel's bf16 prefill form; None when the kernel is not loaded."""
+    """The process kernel's bf16 form (prefill, and decode from DECODE_FMA_ROWS rows); None when
+    the kernel is not loaded."""
     k = default()
     return k.prefill_form if k.available() else None
 

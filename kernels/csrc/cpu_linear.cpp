@@ -13,24 +13,28 @@
 // Threads split N (output columns), never K, so neither the thread count nor M changes a bit.
 //
 // Two paths, chosen by speed only (identical bits):
-//   - decode (M <= kStreamRows): one weight row at a time, a single sequential stream,
-//     up to 4 token rows sharing each weight load (more rows: further passes over the row in
-//     L1); meanwhile the row kPrefetchBytes ahead is prefetched, spread over the passes, so
-//     DRAM and the arithmetic overlap. Bound by DRAM bandwidth at small M, by the arithmetic
-//     from M ~ 8.
+//   - decode (M <= kStreamRows): the weight in a single sequential stream, the rows
+//     kPrefetchBytes ahead prefetched meanwhile, spread over the arithmetic, so DRAM and the
+//     arithmetic overlap. Bound by DRAM bandwidth at small M, by the arithmetic from M ~ 8.
+//     fp32, and bf16 in the "dpbf16" form (or below kStreamFmaRows rows): one weight row at a
+//     time, up to 4 token rows sharing each weight load (more rows: further passes over the
+//     row in L1; stream_range). bf16 in the "fma" form: tiles of 4 weight rows x up to 4
+//     token rows, one chain at a time, the weight split in registers, x unpacked once to an
+//     fp32 panel (stream_fma_range; see "decode path, bf16 fma form" below).
 //   - prefill (M > kStreamRows): register tiles of 4 token rows x 6 weight rows, one chain at
 //     a time. Bound by arithmetic. fp32, and bf16 in the "dpbf16" form: the tiles straight
 //     from x and the weight (tiled_range). bf16 in the "fma" form: x and weight strips unpacked
-//     to fp32 panels in chain order, each block as two fp32 FMAs under DAZ/FTZ, which is
-//     vdpbf16ps bit for bit where the probe says so (packed_run; see "bf16 prefill path" below).
-// The bf16 prefill form is the caller's argument (`prefill_fma`); the Python side picks it once
-// per process from two probes exported here: `fma_form_mismatches` (the FMA form against
-// vdpbf16ps on random and special lanes: any mismatch rules the FMA form out) and
-// `time_prefill_forms` (the two inner loops raced; the FMA form must win by MIN_FMA_SPEEDUP,
-// 1.2x). On Sapphire/Emerald Rapids without AMX vdpbf16ps issues at a quarter of the FMA rate:
-// the FMA form's inner loop is ~2x faster (prefill ~1.3-1.6x); on Zen 4 (vdpbf16ps at about
-// the FMA rate) it would be ~2x slower, and whether it rounds like vdpbf16ps there is for the
-// probe to say. Decode never depends on the form.
+//     to fp32 panels in chain order (packed_run; see "bf16 prefill path" below).
+// The bf16 "fma" form computes each block as two fp32 FMAs under DAZ/FTZ, which is vdpbf16ps
+// bit for bit where the probe says so (see "bf16 prefill path" below). The form is the
+// caller's argument (`fma_form`, for both paths); the Python side picks it once per process
+// from two probes exported here: `fma_form_mismatches` (the FMA form against vdpbf16ps on
+// random and special lanes: any mismatch rules the FMA form out) and `time_prefill_forms` (the
+// two prefill inner loops raced; the FMA form must win by MIN_FMA_SPEEDUP, 1.2x). On
+// Sapphire/Emerald Rapids without AMX vdpbf16ps issues at a quarter of the FMA rate: the FMA
+// form's prefill inner loop is ~2x faster (prefill ~1.3-1.6x, decode at 4-16 rows 1.1-1.2x where
+// the arithmetic binds); on Zen 4 (vdpbf16ps at about the FMA rate) it would be ~2x slower, and
+// whether it rounds like vdpbf16ps there is for the probe to say.
 // Compiled with -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -ffp-contract=off: the Python
 // side loads this only on CPUs that report avx512_bf16.
 
@@ -123,13 +127,22 @@ inline void hsum16x16(const __m512* v, float* out) {
     for (int j = 0; j < 4; ++j) out[4 * j + lane] = tmp[4 * lane + j];
 }
 
-// The contract's last step in the decode path: ((c0 + c1) + c2) + c3, then hsum16.
+// The contract's last step: ((c0 + c1) + c2) + c3, then hsum16.
 inline __m512 combine_chains(__m512 c0, __m512 c1, __m512 c2, __m512 c3) {
   __m512 total = _mm512_add_ps(c0, c1);
   total = _mm512_add_ps(total, c2);
   return _mm512_add_ps(total, c3);
 }
 inline float combine(__m512 c0, __m512 c1, __m512 c2, __m512 c3) { return hsum16(combine_chains(c0, c1, c2, c3)); }
+
+// The same for `outs` (<= 16) outputs at once: sums[o] from chain(o, u), u < kChains.
+template <typename Chain>
+inline void combine_outputs(int outs, Chain chain, float* sums) {
+  __m512 total[16];
+  for (int o = 0; o < 16; ++o)
+    total[o] = o < outs ? combine_chains(chain(o, 0), chain(o, 1), chain(o, 2), chain(o, 3)) : _mm512_setzero_ps();
+  hsum16x16(total, sums);
+}
 
 template <typename Out>
 inline Out store_value(float v);
@@ -147,7 +160,7 @@ inline __m256i round_bf16x16(__m512 v) {
   return _mm512_cvtepi32_epi16(r);
 }
 
-// --- decode path: one weight row against up to 4 token rows --------------------------------
+// --- decode path (fp32; bf16 "dpbf16" form): one weight row against up to 4 token rows -----
 
 constexpr int64_t kPrefetchBytes = 8192;  // how far ahead (at least one row) the weight is prefetched
 
@@ -217,6 +230,7 @@ inline void dot_rows(const typename Kind::T* __restrict x, const typename Kind::
 }
 
 constexpr int64_t kStreamRows = 16;  // M up to this takes the decode path
+constexpr int64_t kStreamFmaRows = 4;  // ... in the bf16 fma form from this M (below: no faster)
 
 template <typename Kind, typename Out>
 void stream_range(const typename Kind::T* x, const typename Kind::T* w, Bias<Kind> bias, Out* y, int64_t M,
@@ -351,7 +365,7 @@ void tiled_range(const typename Kind::T* x, const typename Kind::T* w, Bias<Kind
 // are the pair's high / low bf16 as fp32 (bits & 0xffff0000, bits << 16), exact. With w as
 // vfmadd231ps's first multiplicand the NaN kept where several meet is the one dpbf16 keeps.
 // DAZ/FTZ hold only while chains accumulate; the combine, hsum, bias and rounding run under the
-// caller's MXCSR, as in the decode path.
+// caller's MXCSR. The decode path's fma form (below) uses the same blocks.
 //
 // Layout: x panels (per thread, kept in L2) and weight strips of kPNr rows (kept in L1) are
 // unpacked to fp32 [odd 16 | even 16] per block, the blocks reordered chain by chain (chain 0's
@@ -381,6 +395,18 @@ inline __m512 bf16_even(__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi3
 inline __m512 fma_wx(__m512 acc, __m512 w, __m512 x) {
   asm("vfmadd231ps %[x], %[w], %[acc]" : [acc] "+v"(acc) : [w] "v"(w), [x] "v"(x));
   return acc;
+}
+
+// One block in the FMA form: the odd products, then the even ones.
+inline __m512 fma_block(__m512 acc, __m512 w_odd, __m512 w_even, __m512 x_odd, __m512 x_even) {
+  return fma_wx(fma_wx(acc, w_odd, x_odd), w_even, x_even);
+}
+
+// MXCSR = csr, with no memory access moved across (the chains are stored before it is restored).
+inline void set_csr(unsigned csr) {
+  asm volatile("" ::: "memory");
+  _mm_setcsr(csr);
+  asm volatile("" ::: "memory");
 }
 
 // Where each chain's blocks sit in the packed order, and which contract block each one is.
@@ -496,9 +522,7 @@ void run_group(const float* xp, int64_t t0, int gt, bool chain_major, const floa
     chain_tile(xp + g * tile_floats, wp, order.begin[u], order.begin[u + 1],
                chains + (g * kChains + u) * kTileOut * kLanes);
   };
-  asm volatile("" ::: "memory");
-  _mm_setcsr(csr_dpbf);
-  asm volatile("" ::: "memory");
+  set_csr(csr_dpbf);
   if (chain_major) {
     for (int u = 0; u < kChains; ++u)
       for (int g = 0; g < gt; ++g) chain(u, g);
@@ -506,26 +530,16 @@ void run_group(const float* xp, int64_t t0, int gt, bool chain_major, const floa
     for (int g = 0; g < gt; ++g)
       for (int u = 0; u < kChains; ++u) chain(u, g);
   }
-  asm volatile("" ::: "memory");
-  _mm_setcsr(csr);
-  asm volatile("" ::: "memory");
+  set_csr(csr);
   // Output o = g * kTileOut + m * kPNr + n; its chain u at chains[g][u][m * kPNr + n].
   alignas(64) float sums[kMaxGroupTiles * kTileOut + 16];
   const int outs = gt * kTileOut;
   for (int o0 = 0; o0 < outs; o0 += 16) {
-    __m512 total[16];
-    for (int i = 0; i < 16; ++i) {
+    auto chain = [&](int i, int u) {
       const int o = o0 + i;
-      if (o >= outs) {
-        total[i] = _mm512_setzero_ps();
-        continue;
-      }
-      const float* c = chains + ((o / kTileOut * kChains) * kTileOut + o % kTileOut) * kLanes;
-      constexpr int64_t kStride = kTileOut * kLanes;  // one chain to the next
-      total[i] = combine_chains(_mm512_load_ps(c), _mm512_load_ps(c + kStride), _mm512_load_ps(c + 2 * kStride),
-                                _mm512_load_ps(c + 3 * kStride));
-    }
-    hsum16x16(total, sums + o0);
+      return _mm512_load_ps(chains + ((o / kTileOut * kChains + u) * kTileOut + o % kTileOut) * kLanes);
+    };
+    combine_outputs(std::min(16, outs - o0), chain, sums + o0);
   }
   // + bias (0 without: -0 becomes +0 as in the decode path), one rounding, then each tile row's
   // kPNr outputs into y.
@@ -597,16 +611,140 @@ void packed_run(int64_t M, const uint16_t* x, const uint16_t* w, Bias<Bf16> bias
   });
 }
 
-// `prefill_fma`: bf16 prefill in the FMA form (else vdpbf16ps); the same bits wherever the
-// caller chose it from the probes below.
+// --- decode path, bf16 "fma" form: tiles of token rows x weight rows, one chain at a time -----
+//
+// Each block as two FMAs (see above) needs one x load per FMA where vdpbf16ps needs one per 32
+// products: streamed one weight row at a time, the fp32 x panel (twice bf16's bytes) would be
+// read from L2 for every weight row and bind the loop. So the weight is streamed kStreamTileRows
+// rows at a time (the same single sequential stream, the next tile's rows prefetched meanwhile):
+// register tiles of up to kStreamTileTokens token rows x those weight rows, chain by chain, the
+// weight blocks split in registers (and/shift) from the bf16 rows, x unpacked once per call to a
+// chain-ordered fp32 panel ([row][packed block][32], ChainOrder). Each x block load feeds
+// kStreamTileRows FMAs, and a chain's share of x and of the tile's weight rows stays in L1.
+
+constexpr int kStreamTileTokens = 4;  // token rows per register tile
+constexpr int kStreamTileRows = 4;    // weight rows per tile: 16 accumulators + 8 weight halves + 2 x zmm
+
+// Chain u (its packed blocks start at x[g]) of token rows x[g] = x + g * ldx, g < G, against bf16
+// weight rows w + r * K, r < R, from zero, into chains[(g * kStreamTileRows + r) * kChains + u];
+// `pf` stepped once per block group. Not inlined, as chain_tile.
+template <int G, int R>
+__attribute__((noinline)) void stream_tile(const float* __restrict x, int64_t ldx, const uint16_t* __restrict w,
+                                           int64_t K, int u, __m512* __restrict chains, Prefetch& pf) {
+  constexpr int E = Bf16::E;
+  __m512 acc[G][R];
+  for (int g = 0; g < G; ++g)
+    for (int r = 0; r < R; ++r) acc[g][r] = _mm512_setzero_ps();
+  // Contract block at element k (tail: its length, else 0), x's next packed block.
+  auto block = [&](int64_t k, int tail) {
+    __m512 w_odd[R], w_even[R];
+    for (int r = 0; r < R; ++r) {
+      const __m512i v = tail ? Bf16::load_tail(w + r * K + k, tail) : Bf16::load(w + r * K + k);
+      w_odd[r] = bf16_odd(v);
+      w_even[r] = bf16_even(v);
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m512 x_odd = _mm512_load_ps(x + g * ldx), x_even = _mm512_load_ps(x + g * ldx + kLanes);
+      for (int r = 0; r < R; ++r) acc[g][r] = fma_block(acc[g][r], w_odd[r], w_even[r], x_odd, x_even);
+    }
+    x += kPacked;
+  };
+  const int64_t nb = K / E, grouped = nb / kChains * kChains;
+  for (int64_t j = u; j < grouped; j += kChains) {
+    pf.step();
+    block(j * E, 0);
+  }
+  if (u == 0) {
+    for (int64_t j = grouped; j < nb; ++j) block(j * E, 0);
+    if (nb * E < K) block(nb * E, static_cast<int>(K - nb * E));
+  }
+  for (int g = 0; g < G; ++g)
+    for (int r = 0; r < R; ++r) chains[(g * kStreamTileRows + r) * kChains + u] = acc[g][r];
+}
+
+template <int R>
+void stream_tile_g(int g, const float* x, int64_t ldx, const uint16_t* w, int64_t K, int u, __m512* chains,
+                   Prefetch& pf) {
+  switch (g) {
+    case 1: return stream_tile<1, R>(x, ldx, w, K, u, chains, pf);
+    case 2: return stream_tile<2, R>(x, ldx, w, K, u, chains, pf);
+    case 3: return stream_tile<3, R>(x, ldx, w, K, u, chains, pf);
+    case 4: return stream_tile<4, R>(x, ldx, w, K, u, chains, pf);
+  }
+}
+
+// Columns [n_begin, n_end) of y from the packed x panel `xp` (M rows of ldx floats): tiles of
+// kStreamTileRows weight rows (a last partial one row by row), their chains under DAZ/FTZ, then
+// the combine, hsum, bias and rounding under the caller's MXCSR.
+template <typename Out>
+void stream_fma_range(const float* xp, int64_t ldx, const ChainOrder& order, const uint16_t* w, Bias<Bf16> bias,
+                      Out* y, int64_t M, int64_t N, int64_t K, int64_t n_begin, int64_t n_end) {
+  constexpr int kR = kStreamTileRows;
+  const int64_t row_bytes = K * static_cast<int64_t>(sizeof(uint16_t));
+  const int64_t ahead = std::max<int64_t>(kR, kPrefetchBytes / row_bytes);  // rows
+  const int64_t groups = (M + kStreamTileTokens - 1) / kStreamTileTokens;
+  const unsigned csr = _mm_getcsr();
+  __m512 chains[kStreamRows * kR * kChains];  // output (m, r) chain u at [(m * kR + r) * kChains + u]
+  for (auto& c : chains) c = _mm512_setzero_ps();
+  alignas(64) float sums[kStreamRows * kR];
+  for (int64_t n0 = n_begin; n0 < n_end; n0 += kR) {
+    const int rows = static_cast<int>(std::min<int64_t>(kR, n_end - n0));
+    // The rows `ahead` later, as far as this thread's run goes, over the tile's block groups.
+    Prefetch pf{nullptr, nullptr, 0};
+    const int64_t p0 = std::min(n_end, n0 + ahead), p1 = std::min(n_end, p0 + kR);
+    const int64_t steps = kChains * groups * (K / (Bf16::E * kChains));  // pf.step() calls
+    if (p0 < p1 && steps > 0) {
+      pf.pf = reinterpret_cast<const char*>(w + p0 * K);
+      pf.end = reinterpret_cast<const char*>(w + p1 * K);
+      pf.per = static_cast<int>(((pf.end - pf.pf + 63) / 64 + steps - 1) / steps);
+    }
+    set_csr(fma_form_csr(csr));
+    for (int u = 0; u < kChains; ++u) {
+      const float* xu = xp + order.begin[u] * kPacked;
+      for (int64_t m0 = 0; m0 < M; m0 += kStreamTileTokens) {
+        const int g = static_cast<int>(std::min<int64_t>(kStreamTileTokens, M - m0));
+        __m512* c = chains + m0 * kR * kChains;
+        if (rows == kR) {
+          stream_tile_g<kR>(g, xu + m0 * ldx, ldx, w + n0 * K, K, u, c, pf);
+        } else {
+          for (int r = 0; r < rows; ++r)
+            stream_tile_g<1>(g, xu + m0 * ldx, ldx, w + (n0 + r) * K, K, u, c + r * kChains, pf);
+        }
+      }
+    }
+    set_csr(csr);
+    const int outs = static_cast<int>(M) * kR;
+    for (int o0 = 0; o0 < outs; o0 += 16)
+      combine_outputs(
+          std::min(16, outs - o0), [&](int i, int v) { return chains[(o0 + i) * kChains + v]; }, sums + o0);
+    for (int64_t m = 0; m < M; ++m)
+      for (int r = 0; r < rows; ++r) y[m * N + n0 + r] = store_value<Out>(sums[m * kR + r] + bias.at(n0 + r));
+  }
+}
+
+// `fma_form`: bf16 in the FMA form (else vdpbf16ps), in both paths (decode from
+// kStreamFmaRows rows); the same bits wherever the caller chose it from the probes below.
 template <typename Kind, typename Out>
 void run(int64_t M, const typename Kind::T* x, const typename Kind::T* w, Bias<Kind> bias, Out* y, int64_t N,
-         int64_t K, bool force_tiled, bool prefill_fma) {
+         int64_t K, bool force_tiled, bool fma_form) {
   const int64_t row_bytes = K * static_cast<int64_t>(sizeof(typename Kind::T));
   if (M <= kStreamRows && !force_tiled) {
     // Each thread gets one contiguous run of rows, so it streams one contiguous slab of the
     // weight; at least ~256 KiB of weight per thread (smaller is not worth the fork/join).
     const int64_t grain = std::max<int64_t>(1, (256 * 1024) / row_bytes);
+    if constexpr (std::is_same_v<Kind, Bf16>) {
+      if (fma_form && M >= kStreamFmaRows) {
+        const ChainOrder order(K);
+        const int64_t ldx = order.nbt * kPacked;
+        thread_local Scratch x_buf;
+        float* xp = x_buf.get(M * ldx);
+        for (int64_t m = 0; m < M; ++m) pack_rows<1>(x, M, K, m, order, xp + m * ldx);
+        at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+          stream_fma_range<Out>(xp, ldx, order, w, bias, y, M, N, K, n0, n1);
+        });
+        return;
+      }
+    }
     at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
       stream_range<Kind, Out>(x, w, bias, y, M, N, K, n0, n1);
     });
@@ -614,7 +752,7 @@ void run(int64_t M, const typename Kind::T* x, const typename Kind::T* w, Bias<K
   }
   // Threads own whole strips of weight rows (never a share of K).
   if constexpr (std::is_same_v<Kind, Bf16>) {
-    if (prefill_fma) return packed_run<Out>(M, x, w, bias, y, N, K);
+    if (fma_form) return packed_run<Out>(M, x, w, bias, y, N, K);
   }
   const int64_t strips = (N + kNr - 1) / kNr;
   at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
@@ -701,14 +839,10 @@ int64_t fma_form_mismatches(int64_t vectors, uint64_t seed) {
     const __m512i w = _mm512_load_si512(wb), x = _mm512_load_si512(xb);
     const __m512 acc = _mm512_load_ps(reinterpret_cast<const float*>(ab));
     _mm512_store_ps(reinterpret_cast<float*>(want), Bf16::madd(acc, w, x));
-    asm volatile("" ::: "memory");
-    _mm_setcsr(csr_fma);
-    asm volatile("" ::: "memory");
-    const __m512 fma = fma_wx(fma_wx(acc, bf16_odd(w), bf16_odd(x)), bf16_even(w), bf16_even(x));
+    set_csr(csr_fma);
+    const __m512 fma = fma_block(acc, bf16_odd(w), bf16_even(w), bf16_odd(x), bf16_even(x));
     _mm512_store_ps(reinterpret_cast<float*>(got), fma);
-    asm volatile("" ::: "memory");
-    _mm_setcsr(csr);
-    asm volatile("" ::: "memory");
+    set_csr(csr);
     for (int i = 0; i < 16; ++i) {
       const bool nan_g = (got[i] & 0x7fffffffu) > 0x7f800000u, nan_w = (want[i] & 0x7fffffffu) > 0x7f800000u;
       bad += nan_g || nan_w ? nan_g != nan_w : got[i] != want[i];
@@ -748,7 +882,7 @@ std::pair<double, double> time_prefill_forms(int64_t reps, int64_t rounds) {
         asm volatile("" : : "r"(total) : "memory");
       }
     });
-    _mm_setcsr(fma_form_csr(csr));
+    set_csr(fma_form_csr(csr));
     const double t_fma = seconds([&] {
       for (int64_t r = 0; r < reps; ++r) {
         for (int u = 0; u < kChains; ++u)
@@ -756,7 +890,7 @@ std::pair<double, double> time_prefill_forms(int64_t reps, int64_t rounds) {
         asm volatile("" : : "r"(chains) : "memory");
       }
     });
-    _mm_setcsr(csr);
+    set_csr(csr);
     if (round > 0) {
       best_dpbf = std::min(best_dpbf, t_dpbf);
       best_fma = std::min(best_fma, t_fma);
@@ -794,11 +928,11 @@ bool eligible(const at::Tensor& x, const at::Tensor& weight, const c10::optional
 
 // y = x @ weight^T (+ bias): [..., N] in x's dtype (fp32 when out_fp32), or None when the
 // inputs are not eligible (the caller then uses torch). `force_tiled` takes the prefill path
-// for any M (tests: both paths give the same bits); `prefill_fma` runs bf16 prefill in the FMA
+// for any M (tests: both paths give the same bits); `fma_form` runs bf16 in the FMA
 // form (the caller's choice from the probes; false: vdpbf16ps, right on every CPU).
 c10::optional<at::Tensor> try_linear(const at::Tensor& x, const at::Tensor& weight,
                                      const c10::optional<at::Tensor>& bias, bool out_fp32, bool force_tiled,
-                                     bool prefill_fma) {
+                                     bool fma_form) {
   if (!eligible(x, weight, bias)) return c10::nullopt;
   const int64_t K = weight.size(1), N = weight.size(0);
   const at::Tensor x2 = x.reshape({-1, K}).contiguous();  // [M, K]
@@ -821,12 +955,12 @@ c10::optional<at::Tensor> try_linear(const at::Tensor& x, const at::Tensor& weig
   const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
   if (out_fp32) {
     at::Tensor y = at::empty(out_shape, x.options().dtype(at::kFloat));
-    run<Bf16, float>(M, xp, wp, b, y.data_ptr<float>(), N, K, force_tiled, prefill_fma);
+    run<Bf16, float>(M, xp, wp, b, y.data_ptr<float>(), N, K, force_tiled, fma_form);
     return y;
   }
   at::Tensor y = at::empty(out_shape, x.options());
   run<Bf16, c10::BFloat16>(M, xp, wp, b, reinterpret_cast<c10::BFloat16*>(y.data_ptr<at::BFloat16>()), N, K,
-                           force_tiled, prefill_fma);
+                           force_tiled, fma_form);
   return y;
 }
 
@@ -834,11 +968,12 @@ c10::optional<at::Tensor> try_linear(const at::Tensor& x, const at::Tensor& weig
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("STREAM_ROWS") = kStreamRows;
+  m.attr("STREAM_FMA_ROWS") = kStreamFmaRows;
   m.def("eligible", &eligible, "whether try_linear runs the kernel for these inputs", py::arg("x"),
         py::arg("weight"), py::arg("bias"));
   m.def("try_linear", &try_linear, "x [..., K] @ weight[N, K]^T (+ bias) for bf16/fp32, or None", py::arg("x"),
         py::arg("weight"), py::arg("bias"), py::arg("out_fp32"), py::arg("force_tiled") = false,
-        py::arg("prefill_fma") = false);
+        py::arg("fma_form") = false);
   m.def("fma_form_mismatches", &fma_form_mismatches,
         "lanes (of vectors x 16) where the FMA form of a bf16 block differs from vdpbf16ps (NaN as NaN)",
         py::arg("vectors"), py::arg("seed"));
