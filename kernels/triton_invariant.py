@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from keepwarm.kernels import reference, triton_ops
-from keepwarm.kernels.ops import Ops
+from keepwarm.kernels.ops import Ops, decode_each
 from keepwarm.kernels.triton_ops import _block, _check_dtype, _dot_precision, _round, _softmax_tile
 
 _LOG2E = 1.4426950408889634
@@ -634,7 +634,7 @@ def decode_attention_batch(
     address-table kernel for the B decode rows (row b the bits of decode_attention(q[b], ks[b],
     vs[b], scale)). Rows must be contiguous; otherwise one call per sequence."""
     if not all(t.is_contiguous() and t.dtype == q.dtype and t.shape[0] > 0 for t in (*ks, *vs)):
-        return torch.stack([decode_attention(qb, k, v, scale) for qb, k, v in zip(q, ks, vs, strict=True)])
+        return decode_each(q, ks, vs, scale, decode_attention)
     hkv = ks[0].shape[1]
     for k, v in zip(ks, vs, strict=True):
         if k.shape != v.shape or k.shape[1:] != (hkv, q.shape[2]):

@@ -283,21 +283,28 @@ template <typename T>
 using GroupFn = void (*)(const T*, const float*, const float*, const float*, const float*, const Shape&, int64_t,
                          int64_t, int64_t, T*);
 
-template <typename T>
-GroupFn<T> group_for(int64_t dv) {
-  switch (dv) {
-    case 1: return &group<1, T>;
-    case 2: return &group<2, T>;
-    case 3: return &group<3, T>;
-    case 4: return &group<4, T>;
-    case 5: return &group<5, T>;
-    case 6: return &group<6, T>;
-    case 8: return &group<8, T>;
-    case 12: return &group<12, T>;
-    case 16: return &group<16, T>;
-    case 32: return &group<32, T>;
+// The instance of a kernel template for vector count `nv` (the counts the kernels are built
+// for), or null: make(std::integral_constant<int, NV>) returns the instance for NV.
+template <typename Make>
+auto for_width(int64_t nv, Make make) -> decltype(make(std::integral_constant<int, 1>{})) {
+  switch (nv) {
+    case 1: return make(std::integral_constant<int, 1>{});
+    case 2: return make(std::integral_constant<int, 2>{});
+    case 3: return make(std::integral_constant<int, 3>{});
+    case 4: return make(std::integral_constant<int, 4>{});
+    case 5: return make(std::integral_constant<int, 5>{});
+    case 6: return make(std::integral_constant<int, 6>{});
+    case 8: return make(std::integral_constant<int, 8>{});
+    case 12: return make(std::integral_constant<int, 12>{});
+    case 16: return make(std::integral_constant<int, 16>{});
+    case 32: return make(std::integral_constant<int, 32>{});
   }
   return nullptr;
+}
+
+template <typename T>
+GroupFn<T> group_for(int64_t dv) {
+  return for_width(dv, [](auto nv) -> GroupFn<T> { return &group<decltype(nv)::value, T>; });
 }
 
 // The staging buffer of one kv head and the calls on it, for one attention call's shape.
@@ -667,19 +674,7 @@ using DecodeFn = void (*)(const Decode<T>&, int64_t, int64_t, float*);
 
 template <typename T>
 DecodeFn<T> decode_for(int64_t nv) {
-  switch (nv) {
-    case 1: return &decode_heads<1, T>;
-    case 2: return &decode_heads<2, T>;
-    case 3: return &decode_heads<3, T>;
-    case 4: return &decode_heads<4, T>;
-    case 5: return &decode_heads<5, T>;
-    case 6: return &decode_heads<6, T>;
-    case 8: return &decode_heads<8, T>;
-    case 12: return &decode_heads<12, T>;
-    case 16: return &decode_heads<16, T>;
-    case 32: return &decode_heads<32, T>;
-  }
-  return nullptr;
+  return for_width(nv, [](auto w) -> DecodeFn<T> { return &decode_heads<decltype(w)::value, T>; });
 }
 
 // The decode steps of several sequences (one dtype, Hq, Hkv, D) in one parallel region. The

@@ -150,7 +150,7 @@ class Engine:
         self.tool_format = detect_format(self.template.source)
         # optional backend capability: read disk hits straight into a state's buffers
         self.restore_target = getattr(self.backend, "restore_target", None)
-        # snapshots on their way to host memory, oldest first: (salt, key tokens, copy);
+        # snapshots on their way to host memory, oldest first: (key, key tokens, copy);
         # they enter the cache in this order (see _land)
         self.copier = SnapshotCopier()
         self.copies: deque[tuple[str, list[int], PendingSnapshot]] = deque()
@@ -416,9 +416,11 @@ class Engine:
             # freed (its memory reused) right below
             snap = self.backend.export(seq.state).detached()
             if seq.policy.enabled and seq.state.position >= self.cfg.min_tokens:
-                # also a cache entry; the sequence keeps its own reference, so the RAM
-                # tier's LRU can never make it recompute
-                self.cache.save(seq.salt, seq.tokens[: snap.position], snap)
+                # also a cache entry (the same host copy: nothing writes a stored snapshot);
+                # the sequence keeps its own reference, so the RAM tier's LRU can never make
+                # it recompute
+                tokens = seq.tokens[: snap.position]
+                self.cache.store(self.cache.key(seq.salt, tokens), tokens, snap, detached=True)
         self.memory.free(seq.state)
         seq.state, seq.parked = None, snap
         seq.status = Status.WAITING
@@ -559,8 +561,9 @@ class Engine:
         copy enters the cache when it lands (at once on the CPU)."""
         assert seq.state is not None and seq.state.position == position
         tokens = seq.tokens[:position]
-        if not self.cache.holds(self.cache.key(seq.salt, tokens)):  # stored already: no copy
-            self.copies.append((seq.salt, tokens, self.copier.start(self.backend.export(seq.state))))
+        key = self.cache.key(seq.salt, tokens)
+        if not self.cache.holds(key):  # stored already: no copy
+            self.copies.append((key, tokens, self.copier.start(self.backend.export(seq.state))))
         self.stats.snapshots_saved += 1
         self._land(wait=False)
 
@@ -571,11 +574,11 @@ class Engine:
         admission waits for all of them first (`_restore`, `_cached_depth`): whether a
         prompt reuses a prefix an earlier step saved never depends on copy timing."""
         while self.copies:
-            salt, tokens, pending = self.copies[0]
+            key, tokens, pending = self.copies[0]
             if not wait and not pending.done():
                 return
             self.copies.popleft()
-            self.cache.save(salt, tokens, pending.wait(), detached=True)
+            self.cache.store(key, tokens, pending.wait(), detached=True)
 
     def abandon(self, seq: Sequence) -> None:
         """Drop a sequence without a finish event (its step failed); frees its memory."""

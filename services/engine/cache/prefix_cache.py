@@ -175,26 +175,35 @@ class PrefixCache:
                 )
         return None
 
+    def _missing(self, key: str) -> tuple[bool, bool]:
+        """Whether the RAM tier and the disk tier lack `key` (a tier that is off lacks nothing)."""
+        return (self.memory is not None and key not in self.memory), (
+            self.disk is not None and not self.disk.contains(key)
+        )
+
     def holds(self, key: str) -> bool:
         """Whether every tier already stores `key` (a save of it would be a no-op)."""
-        return (self.memory is None or key in self.memory) and (self.disk is None or self.disk.contains(key))
+        return not any(self._missing(key))
 
-    def save(self, salt: str, tokens: Sequence[int], snapshot: Snapshot, *, detached: bool = False) -> str:
-        """Store a detached copy of `snapshot` under the key of `tokens` in both tiers
-        (no copy when the caller says `snapshot` is `detached`: host memory it gives away)."""
-        assert snapshot.position <= len(tokens), "a snapshot is never keyed by fewer tokens than it covers"
+    def save(self, salt: str, tokens: Sequence[int], snapshot: Snapshot) -> str:
+        """Store a detached copy of `snapshot` under the key of `tokens` in both tiers."""
         key = self.key(salt, tokens)
-        toks = list(tokens)
-        in_memory = self.memory is None or key in self.memory
-        on_disk = self.disk is None or self.disk.contains(key)
-        if in_memory and on_disk:
-            return key
-        copy = snapshot if detached else snapshot.detached()
-        if not in_memory:
-            self._remember(key, toks, copy)
-        if not on_disk and self.disk is not None:
-            self.disk.save(key, toks, copy, detached=True)
+        self.store(key, tokens, snapshot)
         return key
+
+    def store(self, key: str, tokens: Sequence[int], snapshot: Snapshot, *, detached: bool = False) -> None:
+        """`save` under `key` (= self.key(salt, tokens), computed by the caller); no copy when the
+        caller says `snapshot` is `detached` (host memory it gives away) or every tier holds it."""
+        assert snapshot.position <= len(tokens), "a snapshot is never keyed by fewer tokens than it covers"
+        need_memory, need_disk = self._missing(key)
+        if not (need_memory or need_disk):
+            return
+        toks = list(tokens)
+        copy = snapshot if detached else snapshot.detached()
+        if need_memory:
+            self._remember(key, toks, copy)
+        if need_disk and self.disk is not None:
+            self.disk.save(key, toks, copy, detached=True)
 
     def _remember(self, key: str, tokens: list[int], snapshot: Snapshot) -> None:
         if self.memory is not None:

@@ -36,9 +36,9 @@ def buckets(max_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, backend: StaticDecode, device: torch.device, max_seqs: int, capture: bool) -> None:
+    def __init__(self, backend: StaticDecode, max_seqs: int, capture: bool) -> None:
         self.backend = backend
-        self.device = device
+        self.device = device = backend.device
         self.capture = capture
         self.buckets = buckets(max_seqs)
         n = self.buckets[-1]
@@ -61,7 +61,7 @@ class DecodeGraphs:
         address-table kernels, layers on several devices): then every step is eager."""
         if enforce_eager or not isinstance(backend, StaticDecode) or not backend.static_decode(max_context):
             return None
-        return DecodeGraphs(backend, backend.device, max_seqs, capture=backend.device.type == "cuda")
+        return DecodeGraphs(backend, max_seqs, capture=backend.device.type == "cuda")
 
     def run(self, states: Sequence[State], tokens: Sequence[int]) -> torch.Tensor | None:
         """Feed tokens[j] to states[j] (each at its own position, room for one more row):

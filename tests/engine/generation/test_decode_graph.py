@@ -54,7 +54,7 @@ def test_static_decode_equals_eager_step(tiny_dense_model: Path, device: str, dt
     _needs_interpreter(dev)
     backend = build_backend(open_checkpoint(tiny_dense_model), dev, dtype, TRITON_INVARIANT_OPS)
     assert isinstance(backend, StaticDecode) and backend.static_decode(64)
-    graphs = DecodeGraphs(backend, dev, max_seqs=8, capture=dev.type == "cuda")
+    graphs = DecodeGraphs(backend, max_seqs=8, capture=dev.type == "cuda")
     eager = _states(backend, torch.Generator().manual_seed(1))
     static = _states(backend, torch.Generator().manual_seed(1))
     gen = torch.Generator().manual_seed(2)
@@ -81,7 +81,7 @@ def test_a_batch_beyond_the_largest_bucket_steps_eagerly(tiny_dense_model: Path)
         open_checkpoint(tiny_dense_model), torch.device("cpu"), torch.float32, TRITON_INVARIANT_OPS
     )
     assert isinstance(backend, StaticDecode) and backend.static_decode(64)
-    graphs = DecodeGraphs(backend, torch.device("cpu"), max_seqs=2, capture=False)
+    graphs = DecodeGraphs(backend, max_seqs=2, capture=False)
     states = _states(backend, torch.Generator().manual_seed(3))
     before = [s.position for s in states]
     assert graphs.run(states, [5, 6, 7]) is None  # 3 > bucket 2: "not now", nothing advanced

@@ -107,7 +107,7 @@ def test_pending_copies_land_oldest_first_and_a_step_with_no_work_waits_for_them
         a.finish()
         c.finish()
         for salt, copy in (("a", a), ("b", b), ("c", c)):
-            engine.copies.append((salt, list(tokens), copy.pending(snap)))
+            engine.copies.append((engine.cache.key(salt, tokens), list(tokens), copy.pending(snap)))
         memory = engine.cache.memory
         assert memory is not None
         key = {s: engine.cache.key(s, tokens) for s in "abc"}
@@ -120,7 +120,7 @@ def test_pending_copies_land_oldest_first_and_a_step_with_no_work_waits_for_them
         assert not engine.has_work()
         # a step with nothing to schedule lands what is still in flight, waiting for it
         d = InFlight()
-        engine.copies.append(("d", list(tokens), d.pending(snap)))
+        engine.copies.append((engine.cache.key("d", tokens), list(tokens), d.pending(snap)))
         assert engine.has_work()
         assert engine.step() == 0
         assert d.waits == 1 and memory.keys()[-1] == engine.cache.key("d", tokens)
@@ -146,7 +146,7 @@ def test_an_admission_waits_for_pending_copies_and_a_step_that_admits_none_does_
         assert found is not None
         memory.remove(key)  # the prompt's snapshot is now only a copy in flight
         flight = InFlight()
-        engine.copies.append(("", found[0], flight.pending(found[1])))
+        engine.copies.append((engine.cache.key("", found[0]), found[0], flight.pending(found[1])))
         # a request that consults no cache is admitted and runs without waiting
         other = engine.submit(_request(_prompt(rng, 10, vocab), 8, "off"), lambda ev: None)
         assert engine.step() == 1 and other.state is not None
