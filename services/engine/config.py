@@ -148,7 +148,21 @@ class EngineConfig:
     )
     min_tokens: int = setting(64, help="never cache a prefix shorter than this")
     disk_prefix_cache: str = setting("full", help="default policy: `off`, `full`, `auto[:W]`, `N`")
-    writer_queue: int = setting(8, help="background writer queue; a full queue drops the save and counts it")
+    writer_queue: int = setting(
+        8,
+        help="snapshots the disk writer may have queued; beyond it (or --writer-queue-bytes) a save is dropped and counted",
+    )
+    writer_queue_bytes: int = setting(
+        2 * 1024**3,
+        parse=parse_size,
+        show=format_size,
+        help="snapshot bytes the disk writer may have queued (an empty queue takes any one snapshot)",
+    )
+    writer_nice: int = setting(
+        0,
+        help="the disk writer thread's nice value, 0-19 (Linux): higher leaves the CPU to the model's threads "
+        "on a busy CPU box, and under sustained load the queue then fills and saves are dropped (counted)",
+    )
     fsync: bool = setting(True, help="fsync files and folders before they count")
     queue_size: int = setting(16, help="requests waiting to be admitted (429 with `Retry-After` beyond)")
     max_seqs: int = setting(
@@ -261,6 +275,12 @@ class EngineConfig:
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+        if not 0 <= self.writer_nice <= 19:
+            raise ConfigError(
+                f"--writer-nice {self.writer_nice} must be in 0..19 (19: the lowest CPU priority)"
+            )
+        if self.writer_queue_bytes < 1:
+            raise ConfigError("--writer-queue-bytes must be >= 1 byte")
         if self.max_batch_tokens < 0:
             raise ConfigError("--max-batch-tokens must be >= 1, or 0 for the device's default")
         try:

@@ -127,6 +127,8 @@ class Engine:
                 budget_bytes=cfg.disk_budget,
                 min_free_bytes=cfg.min_free_disk,
                 queue_size=cfg.writer_queue,
+                queue_bytes=cfg.writer_queue_bytes,
+                writer_nice=cfg.writer_nice,
                 fsync=cfg.fsync,
             )
             disk.start()

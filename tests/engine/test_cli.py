@@ -74,5 +74,8 @@ def test_bad_flag_value_says_what_to_change(tiny_dense_model: Path) -> None:
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert "--disk-budget 'lots': size 'lots' is not a number with an optional k/m/g/t suffix" in res.stderr
     assert "(default: 16g)" in res.stderr
+    res = _run(["generate", "--model", str(tiny_dense_model), "--prompt", "x", "--writer-nice", "20"])
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "--writer-nice 20 must be in 0..19" in res.stderr
     res = _run(["generate", "--model", str(tiny_dense_model / "missing"), "--prompt", "x"])
     assert res.returncode == 2 and "does not exist" in res.stderr and "Traceback" not in res.stderr

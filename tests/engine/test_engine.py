@@ -5,8 +5,10 @@ hits decode with zero prefill; corrupt files are rejected while answers stay rig
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import threading
 from array import array
 from dataclasses import replace
 from pathlib import Path
@@ -147,6 +149,22 @@ def test_continued_checkpoint_covers_the_reply(tiny_dense_model: Path, tmp_path:
         # turn 2 restores at least the previous prompt; with a reply that re-tokenizes
         # identically it restores prompt + reply (no one-turn lag)
         assert nxt.cached_tokens >= ev.prompt_tokens
+    finally:
+        engine.close()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice values are Linux's")
+def test_writer_settings_reach_the_disk_tier(tiny_dense_model: Path, tmp_path: Path) -> None:
+    engine = Engine(_cfg(tiny_dense_model, tmp_path / "c", writer_nice=7, writer_queue_bytes=12345))
+    try:
+        disk = engine.cache.disk
+        assert disk is not None and (disk.writer_nice, disk.queue_bytes) == (7, 12345)
+        engine.complete(_req([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hello"}]))
+        engine.flush()
+        (writer,) = [t for t in threading.enumerate() if t.name.startswith("disk-cache-")]
+        stat = Path(f"/proc/self/task/{writer.native_id}/stat").read_text()
+        assert int(stat[stat.rindex(")") + 2 :].split()[16]) == max(7, os.getpriority(os.PRIO_PROCESS, 0))
+        assert disk.stats().saves >= 1
     finally:
         engine.close()
 

@@ -408,29 +408,34 @@ def test_clear(tmp_path: Path) -> None:
 # ---- writer queue and pending keys ---------------------------------------------------------
 
 
-def test_pending_keys_and_full_queue(tmp_path: Path) -> None:
-    gate = threading.Event()
-    armed = threading.Event()
-    waiting = threading.Event()
+class StalledWriter:
+    """A `disk_free` probe that, once armed, holds the writer before it publishes its
+    current job (waiting is set) until the gate opens."""
 
-    def disk_free(root: Path) -> int:
-        if armed.is_set():
-            waiting.set()
-            assert gate.wait(30)
+    def __init__(self) -> None:
+        self.gate, self.armed, self.waiting = threading.Event(), threading.Event(), threading.Event()
+
+    def __call__(self, root: Path) -> int:
+        if self.armed.is_set():
+            self.waiting.set()
+            assert self.gate.wait(30)
         return 1 << 50
 
-    c = open_cache(tmp_path, min_free_bytes=1, queue_size=1, disk_free=disk_free)
-    armed.set()
+
+def test_pending_keys_and_full_queue(tmp_path: Path) -> None:
+    stall = StalledWriter()
+    c = open_cache(tmp_path, min_free_bytes=1, queue_size=1, disk_free=stall)
+    stall.armed.set()
     ka, kb, kc = (key_of(toks(i)) for i in range(3))
     assert c.save(ka, toks(0), make_snapshot(8, seed=0))
-    assert waiting.wait(30)  # the writer holds A, stuck before publishing it
+    assert stall.waiting.wait(30)  # the writer holds A, stuck before publishing it
     assert c.contains(ka) and c.stats().pending == 1
     assert c.load(ka, toks(0), VALIDATE) is None  # pending: a miss, never a half-written file
     assert not c.save(ka, toks(0), make_snapshot(8, seed=0))  # no second copy queued
     assert c.save(kb, toks(1), make_snapshot(8, seed=1))  # fills the queue (size 1)
     assert not c.save(kc, toks(2), make_snapshot(8, seed=2))  # dropped
-    armed.clear()
-    gate.set()
+    stall.armed.clear()
+    stall.gate.set()
     c.flush()
     s = c.stats()
     assert (s.saves, s.dropped_saves, s.pending, s.misses) == (2, 1, 0, 1)
@@ -438,6 +443,67 @@ def test_pending_keys_and_full_queue(tmp_path: Path) -> None:
     c.close()
     assert not c.save(kc, toks(2), make_snapshot(8, seed=2))  # closed: dropped
     assert c.stats().dropped_saves == 2
+
+
+def test_queue_bound_in_bytes(tmp_path: Path) -> None:
+    """Queued snapshot bytes (the one being written included) stay within queue_bytes; an
+    empty queue takes a snapshot larger than the bound; written jobs give their bytes back."""
+    stall = StalledWriter()
+    one = make_snapshot(8).num_bytes
+    c = open_cache(tmp_path, min_free_bytes=1, queue_size=8, queue_bytes=2 * one + 1, disk_free=stall)
+    stall.armed.set()
+    keys = [key_of(toks(i)) for i in range(4)]
+    assert c.save(keys[0], toks(0), make_snapshot(8, seed=0))
+    assert stall.waiting.wait(30)  # the writer holds it: its bytes still count
+    assert c.save(keys[1], toks(1), make_snapshot(8, seed=1))
+    assert not c.save(keys[2], toks(2), make_snapshot(8, seed=2))  # 3 x one > 2 x one + 1
+    assert c.stats().dropped_saves == 1
+    stall.armed.clear()
+    stall.gate.set()
+    c.flush()
+    assert c.save(keys[2], toks(2), make_snapshot(8, seed=2))  # written ones gave their bytes back
+    c.flush()
+    assert [c.contains(k) for k in keys] == [True, True, True, False]
+    assert c.stats().saves == 3
+    c.close()
+    big = open_cache(tmp_path / "big", queue_bytes=1)
+    assert big.save(keys[3], toks(3), make_snapshot(8, seed=3))  # alone: larger than the bound
+    big.close()
+    again = open_cache(tmp_path / "big")
+    assert again.contains(keys[3])
+    again.close()
+
+
+def _thread_nice(name_prefix: str) -> list[int]:
+    """The nice values (field 19 of /proc/self/task/TID/stat) of this process's Python
+    threads whose name starts with `name_prefix`."""
+    out = []
+    for t in threading.enumerate():
+        if t.name.startswith(name_prefix) and t.native_id is not None:
+            stat = Path(f"/proc/self/task/{t.native_id}/stat").read_text()
+            out.append(int(stat[stat.rindex(")") + 2 :].split()[16]))
+    return out
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice values are Linux's")
+@pytest.mark.parametrize("nice", [0, 7, 19])
+def test_writer_runs_at_its_nice_value(tmp_path: Path, nice: int) -> None:
+    """The writer thread lowers its own CPU priority (not the process's: the caller's
+    threads keep theirs) before it writes anything."""
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    c = open_cache(tmp_path, writer_nice=nice)
+    assert c.save(key_of(toks(0)), toks(0), make_snapshot(8))
+    c.flush()
+    assert _thread_nice("disk-cache-") == [max(before, nice)]
+    assert os.getpriority(os.PRIO_PROCESS, 0) == before
+    c.close()
+
+
+def test_bad_writer_settings_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="writer_nice must be in 0..19"):
+        DiskCache(tmp_path, NAMESPACE, budget_bytes=1, writer_nice=20)
+    with pytest.raises(ValueError, match="queue_bytes must be >= 1"):
+        DiskCache(tmp_path, NAMESPACE, budget_bytes=1, queue_bytes=0)
 
 
 # ---- persistence and several processes ------------------------------------------------------
