@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -278,6 +279,10 @@ class EngineConfig:
         if not 0 <= self.writer_nice <= 19:
             raise ConfigError(
                 f"--writer-nice {self.writer_nice} must be in 0..19 (19: the lowest CPU priority)"
+            )
+        if self.writer_nice and sys.platform != "linux":
+            raise ConfigError(
+                f"--writer-nice needs Linux (a nice value per thread); leave it 0 on {sys.platform}"
             )
         if self.writer_queue_bytes < 1:
             raise ConfigError("--writer-queue-bytes must be >= 1 byte")

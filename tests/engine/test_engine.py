@@ -17,7 +17,7 @@ import pytest
 
 from keepwarm.engine.cache.policy import Policy
 from keepwarm.engine.cache.prefix_cache import SessionHint
-from keepwarm.engine.config import EngineConfig
+from keepwarm.engine.config import ConfigError, EngineConfig
 from keepwarm.engine.engine import Engine, Prompt
 from keepwarm.engine.generation.request import FinishEvent, GenerateRequest, RequestError
 from keepwarm.engine.generation.sampling import SamplingParams
@@ -167,6 +167,13 @@ def test_writer_settings_reach_the_disk_tier(tiny_dense_model: Path, tmp_path: P
         assert disk.stats().saves >= 1
     finally:
         engine.close()
+
+
+def test_writer_nice_is_refused_off_linux(tiny_dense_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "platform", "darwin")
+    with pytest.raises(ConfigError, match="--writer-nice needs Linux .* leave it 0 on darwin"):
+        _cfg(tiny_dense_model, None, writer_nice=5)
+    assert _cfg(tiny_dense_model, None).writer_nice == 0
 
 
 def test_exact_hit_starts_from_stored_logits(tiny_dense_model: Path, tmp_path: Path) -> None:

@@ -255,6 +255,10 @@ class DiskCache:
             raise ValueError(f"queue_bytes must be >= 1 (or None: no byte bound), got {queue_bytes}")
         if not 0 <= writer_nice <= 19:
             raise ValueError(f"writer_nice must be in 0..19, got {writer_nice}")
+        if writer_nice and sys.platform != "linux":
+            raise ValueError(
+                f"writer_nice needs Linux (a nice value per thread); leave it 0 on {sys.platform}"
+            )
         if half_life_s <= 0:
             raise ValueError(f"half_life_s must be > 0, got {half_life_s}")
         if refresh_s <= 0:
@@ -908,7 +912,7 @@ class DiskCache:
                 self._last_upkeep = time.monotonic()  # a failing reconcile is retried later
 
     def _writer(self) -> None:
-        if self.writer_nice and sys.platform == "linux":
+        if self.writer_nice:
             self._guard("nice", self._lower_priority)
         while True:
             try:

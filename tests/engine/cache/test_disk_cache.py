@@ -499,11 +499,15 @@ def test_writer_runs_at_its_nice_value(tmp_path: Path, nice: int) -> None:
     c.close()
 
 
-def test_bad_writer_settings_are_refused(tmp_path: Path) -> None:
+def test_bad_writer_settings_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="writer_nice must be in 0..19"):
         DiskCache(tmp_path, NAMESPACE, budget_bytes=1, writer_nice=20)
     with pytest.raises(ValueError, match="queue_bytes must be >= 1"):
         DiskCache(tmp_path, NAMESPACE, budget_bytes=1, queue_bytes=0)
+    monkeypatch.setattr(disk_cache_module.sys, "platform", "darwin")
+    with pytest.raises(ValueError, match="writer_nice needs Linux .* leave it 0 on darwin"):
+        DiskCache(tmp_path, NAMESPACE, budget_bytes=1, writer_nice=5)
+    DiskCache(tmp_path, NAMESPACE, budget_bytes=1, writer_nice=0)  # the default is fine anywhere
 
 
 # ---- persistence and several processes ------------------------------------------------------
