@@ -168,7 +168,7 @@ class EngineCollector:
             yield CounterMetricFamily("keepwarm_disk_cache_saves", "Disk tier files written", value=ds.saves)
             yield CounterMetricFamily(
                 "keepwarm_disk_cache_dropped_saves",
-                "Saves dropped (writer queue full)",
+                "Saves dropped (writer queue full: --writer-queue or --writer-queue-bytes)",
                 value=ds.dropped_saves,
             )
             rejected = CounterMetricFamily(
