@@ -13,7 +13,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -67,6 +67,11 @@ def format_size(n: int | None) -> str:
     return str(n)
 
 
+def size_setting(default: int, help: str) -> Any:
+    """A byte-count setting: read as `4g`, `512m`, `4096` (parse_size), shown the same way."""
+    return setting(default, parse=parse_size, show=format_size, help=help)
+
+
 def _min_free_disk(text: str) -> int | None:
     return None if text.strip().lower() == "auto" else parse_size(text)
 
@@ -105,10 +110,8 @@ class EngineConfig:
     )
     # Bytes of weights (at the runtime dtype) the loaded models may hold together; loading one
     # more parks the least recently used idle ones (serving/model_set.py). 0 = no limit.
-    models_budget: int = setting(
+    models_budget: int = size_setting(
         0,
-        parse=parse_size,
-        show=format_size,
         help="bytes of weights (runtime dtype) the loaded models may hold together, 0 = no limit; a model "
         "loads on its first request, and loading one past the budget parks the least recently used idle "
         "model (weights and state memory freed, its disk cache kept); `/v1/models` shows each `residency`",
@@ -132,10 +135,8 @@ class EngineConfig:
         default_text="~/.cache/keepwarm/prefix-cache",
         help="disk tier folder (`none` turns the disk tier off)",
     )
-    disk_budget: int = setting(
+    disk_budget: int = size_setting(
         16 * 1024**3,
-        parse=parse_size,
-        show=format_size,
         help="one byte budget for the whole folder, all models",
     )
     min_free_disk: int | None = setting(  # None ("auto"): 5% of the cache volume, at most 1 GiB
@@ -144,19 +145,15 @@ class EngineConfig:
         show=format_size,
         help="free-disk floor (`auto`: 5 % of the volume, at most 1 GiB)",
     )
-    memory_budget: int = setting(
-        2 * 1024**3, parse=parse_size, show=format_size, help="RAM tier byte budget (0 turns it off)"
-    )
+    memory_budget: int = size_setting(2 * 1024**3, help="RAM tier byte budget (0 turns it off)")
     min_tokens: int = setting(64, help="never cache a prefix shorter than this")
     disk_prefix_cache: str = setting("full", help="default policy: `off`, `full`, `auto[:W]`, `N`")
     writer_queue: int = setting(
         8,
         help="snapshots the disk writer may have queued; beyond it (or --writer-queue-bytes) a save is dropped and counted",
     )
-    writer_queue_bytes: int = setting(
+    writer_queue_bytes: int = size_setting(
         2 * 1024**3,
-        parse=parse_size,
-        show=format_size,
         help="snapshot bytes the disk writer may have queued (an empty queue takes any one snapshot)",
     )
     writer_nice: int = setting(
@@ -176,10 +173,8 @@ class EngineConfig:
         "128 on a CPU (where a step's time grows with its tokens: small steps let the first of several "
         "prompts arriving together answer first and keep running replies' token gaps short)",
     )
-    kv_budget: int = setting(
+    kv_budget: int = size_setting(
         0,
-        parse=parse_size,
-        show=format_size,
         help="bytes for every running sequence's state; 0 = 80 % of free GPU memory, 16 GiB on CPU",
     )
     max_tokens_limit: int = setting(4096, help="largest `max_tokens` accepted")

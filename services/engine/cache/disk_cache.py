@@ -381,7 +381,8 @@ class DiskCache:
         the key, larger than the whole budget), dropped (queue full or closed), or the
         key is already stored or pending. Copies the snapshot unless `detached`."""
         self._path(self.namespace, key)  # validates the key
-        size = snapshot.num_bytes + 4 * len(tokens)
+        num_bytes = snapshot.num_bytes
+        size = num_bytes + 4 * len(tokens)
         with self._lock:
             if snapshot.position > len(tokens):
                 self._n.refused_saves += 1
@@ -397,13 +398,13 @@ class DiskCache:
             over_bytes = (
                 self.queue_bytes is not None
                 and self._queued_bytes > 0
-                and self._queued_bytes + snapshot.num_bytes > self.queue_bytes
+                and self._queued_bytes + num_bytes > self.queue_bytes
             )
             if self._closed or self._thread is None or self._queue.full() or over_bytes:
                 self._n.dropped_saves += 1
                 return False
             self._pending.add(key)
-            self._queued_bytes += snapshot.num_bytes
+            self._queued_bytes += num_bytes
         queued = False
         try:
             if self._indexed(key):
@@ -420,7 +421,7 @@ class DiskCache:
             if not queued:
                 with self._lock:
                     self._pending.discard(key)
-                    self._queued_bytes -= snapshot.num_bytes
+                    self._queued_bytes -= num_bytes
         return True
 
     def _indexed(self, key: str) -> bool:
