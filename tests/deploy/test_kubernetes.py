@@ -449,7 +449,7 @@ def test_models_are_read_only_to_the_engines(manifests: Manifests) -> None:
     env = env_values(manifests, container(sts, "engine"))
     assert env["KEEPWARM_MODEL"].startswith(mount["mountPath"] + "/")
     job = container(manifests.workload("demo-model"), "demo-model")
-    assert env["KEEPWARM_MODEL"] in " ".join(job["command"])  # the demo Job makes what the engines load
+    assert env["KEEPWARM_MODEL"] in " ".join(job["command"])  # the Job copies what the engines load
 
 
 # --- accelerators ----------------------------------------------------------------------------
@@ -572,7 +572,8 @@ def test_the_services_settings_agree_with_the_manifests(manifests: Manifests) ->
     engine = config_from(None, engine_env)
     assert (engine.host, engine.port) == ("0.0.0.0", port_number(engine_c, "http"))
     assert engine.cache_dir == Path(CACHE_DIR)
-    assert engine.model == Path("/models/demo-dense")
+    assert engine.model == Path("/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert engine.served_name == "SmolLM2-135M-Instruct"
 
     gateway_c = containers(manifests.workload("gateway"))[0]
     gateway = parse_config([], env_values(manifests, gateway_c))

@@ -59,14 +59,17 @@ def _store_fingerprint_cache(cache_file: Path, data: dict[str, dict[str, object]
     os.replace(tmp, cache_file)  # readers see the old or the new cache, never half of one
 
 
-def weights_fingerprint(files: Sequence[Path], cache_file: Path | None = None) -> str:
+def weights_fingerprint(
+    files: Sequence[Path], cache_file: Path | None = None, with_names: bool = True
+) -> str:
     """Content hash (xxh3-128, 32 hex) of a checkpoint's weight files.
 
     Each file is hashed by streaming its bytes; the per-file digests are cached in
     `cache_file` (JSON keyed by absolute path, valid while size and mtime_ns are
     unchanged) so a restart does not rehash gigabytes. The result depends on the
     files' base names and contents only, so moving a model folder keeps its
-    namespace. Raises FileNotFoundError naming a missing file.
+    namespace; without `with_names` (one self-describing file, a GGUF) on the contents alone,
+    so two paths to the same bytes share it. Raises FileNotFoundError naming a missing file.
     """
     if not files:
         raise ValueError("weights_fingerprint needs at least one weight file")
@@ -88,7 +91,7 @@ def weights_fingerprint(files: Sequence[Path], cache_file: Path | None = None) -
             digest = _file_digest(path)
             cache[str(path)] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "xxh3_128": digest}
             dirty = True
-        parts.append((path.name, st.st_size, digest))
+        parts.append((path.name if with_names else "", st.st_size, digest))
     if dirty and cache_file is not None:
         _store_fingerprint_cache(cache_file, cache)
     h = xxhash.xxh3_128()
@@ -111,6 +114,7 @@ def namespace_id(
     chat_template_hash: str,
     dtype: str,
     layout_id: str,
+    weights_format: str,
 ) -> str:
     """32 hex naming everything a snapshot's bytes depend on (DESIGN.md §2.3)."""
     fields = {
@@ -121,6 +125,7 @@ def namespace_id(
         "chat_template_hash": chat_template_hash,
         "dtype": dtype,
         "layout_id": layout_id,
+        "weights_format": weights_format,
     }
     blob = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(b"keepwarm.namespace\0" + blob).hexdigest()[:32]

@@ -20,20 +20,25 @@ JSON is compact (no free whitespace), so sampling cannot spin on whitespace.
 `strict: true` refuses schemas with keywords llguidance does not implement (400 naming
 the schema); `strict: false` compiles them leniently (unknown keywords ignored).
 Tool calls are written in the template's own convention (`hermes`: `<tool_call>` blocks,
-`llama3_json`: a bare JSON object with "parameters"), arguments constrained by each
-tool's `parameters` schema.
+`llama3_json`: a bare JSON object with "parameters"; `generic`, for templates with none:
+the whole reply is `{"tool_call":{"name":N,"arguments":{...}}}`, or with parallel calls
+allowed that or `{"tool_calls":[{...},...]}`), arguments constrained by each tool's
+`parameters` schema and names by the tools offered.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import torch
 
 from keepwarm.engine.generation.request import Constraint
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
 
 _COMPACT: dict[str, Any] = {"whitespace_flexible": False}
 
@@ -67,7 +72,7 @@ class GrammarTokenizer:
 
 
 def _json_grammar(schema: dict[str, Any], strict: bool, param: str) -> str:
-    options = {**_COMPACT, "lenient": not strict}
+    options: JsonCompileOptions = {"whitespace_flexible": False, "lenient": not strict}
     try:
         return str(llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options))
     except ValueError as e:
@@ -83,6 +88,28 @@ def _call_schema(tool: dict[str, Any], args_key: str) -> dict[str, Any]:
         "required": ["name", args_key],
         "additionalProperties": False,
     }
+
+
+def _generic_schema(tools: list[dict[str, Any]], several: bool) -> dict[str, Any]:
+    """The generic format's reply (serving/tool_calls.py): one call, or (`several`) one call or
+    a non-empty list of calls; each call's name one of `tools` and its arguments that tool's schema."""
+    calls = [_call_schema(t, "arguments") for t in tools]
+    call = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    one = {
+        "type": "object",
+        "properties": {"tool_call": call},
+        "required": ["tool_call"],
+        "additionalProperties": False,
+    }
+    if not several:
+        return one
+    many = {
+        "type": "object",
+        "properties": {"tool_calls": {"type": "array", "items": call, "minItems": 1}},
+        "required": ["tool_calls"],
+        "additionalProperties": False,
+    }
+    return {"anyOf": [one, many]}
 
 
 def _tool_grammar(constraint: Constraint, tool_format: str | None, parallel: bool) -> str:
@@ -108,6 +135,10 @@ def _tool_grammar(constraint: Constraint, tool_format: str | None, parallel: boo
             else _call_schema(tools[0], "parameters")
         )
         return _json_grammar(schema, True, "tool_choice")
+    if tool_format == "generic":
+        return _json_grammar(
+            _generic_schema(tools, parallel and constraint.kind == "tool_required"), True, "tool_choice"
+        )
     raise GrammarError(
         f"tool_choice {'required' if constraint.kind == 'tool_required' else 'with a named function'} "
         f"is not supported for this model's tool-call format ({tool_format or 'none'}); send tool_choice auto",

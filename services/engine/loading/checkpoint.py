@@ -1,5 +1,7 @@
-"""A Hugging Face checkpoint folder: config.json, safetensors weights (single file
-or sharded with an index), tokenizer.json and tokenizer_config.json.
+"""A model checkpoint: a Hugging Face folder (config.json, safetensors weights in a single
+file or sharded with an index, tokenizer.json and tokenizer_config.json), or a GGUF file
+(loading/gguf_checkpoint.py), both seen through the same interface: a config.json-shaped
+`config`, weights by Hugging Face name, the tokenizer and the chat template.
 
 Weights are read one tensor at a time straight into the runtime dtype and
 device, so a full second copy of the model never exists in memory.
@@ -8,12 +10,18 @@ device, so a full second copy of the model never exists in memory.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
+
+from keepwarm.engine.loading.chat_template import ChatTemplate
+from keepwarm.engine.loading.tokenizer import Tokenizer
+
+_DTYPE_BYTES = {"I64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 
 class CheckpointError(ValueError):
@@ -25,6 +33,8 @@ class Checkpoint:
     path: Path
     config: dict[str, Any]
     name_to_file: dict[str, Path]  # tensor name -> the safetensors file holding it
+    # called after each weight is read (load progress: models/__init__.py's build_backend)
+    on_load: list[Callable[[], None]] = field(default_factory=list, init=False, repr=False, compare=False)
 
     @property
     def model_type(self) -> str:
@@ -47,6 +57,38 @@ class Checkpoint:
     def weight_files(self) -> tuple[Path, ...]:
         return tuple(sorted(set(self.name_to_file.values())))
 
+    @property
+    def weights_format(self) -> str:
+        """How the weights are stored (part of a snapshot's namespace)."""
+        return "safetensors"
+
+    @property
+    def weight_names_matter(self) -> bool:
+        """Whether the weight files' base names are part of the weights' identity (a sharded
+        folder's index names its shards; one GGUF file is its bytes alone)."""
+        return True
+
+    def runtime_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes the weights take loaded at `dtype` (integer tensors as stored)."""
+        size = torch.empty((), dtype=dtype).element_size()
+        total = 0
+        for f in self.weight_files:
+            with safe_open(str(f), framework="pt", device="cpu") as h:
+                for name in h.keys():
+                    s = h.get_slice(name)
+                    n = 1
+                    for d in s.get_shape():
+                        n *= int(d)
+                    kind = s.get_dtype()
+                    total += n * (size if kind.startswith(("F", "BF")) else _DTYPE_BYTES.get(kind, 1))
+        return total
+
+    def open_tokenizer(self) -> Tokenizer:
+        return Tokenizer.from_dir(self.path)
+
+    def open_chat_template(self, tokenizer: Tokenizer) -> ChatTemplate:
+        return ChatTemplate.from_dir(self.path, tokenizer)
+
     def has(self, name: str) -> bool:
         return name in self.name_to_file
 
@@ -59,16 +101,22 @@ class Checkpoint:
     ) -> torch.Tensor:
         """Read tensor `name`, cast to `dtype` (None keeps it) on `device`.
         With `shape`, a mismatch raises a CheckpointError naming the key and file."""
+        t, where = self._read(name)
+        if shape is not None and tuple(t.shape) != tuple(shape):
+            raise CheckpointError(
+                f"{where}: weight {name!r} has shape {tuple(t.shape)}, the config implies {tuple(shape)}"
+            )
+        for report in self.on_load:
+            report()
+        return fresh_tensor(t, dtype, device)
+
+    def _read(self, name: str) -> tuple[torch.Tensor, str]:
+        """Tensor `name` as stored, and where it was read (for messages)."""
         file = self.name_to_file.get(name)
         if file is None:
             raise CheckpointError(f"{self.path}: weight {name!r} is missing from the safetensors files")
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            t = f.get_tensor(name)
-        if shape is not None and tuple(t.shape) != tuple(shape):
-            raise CheckpointError(
-                f"{file.name}: weight {name!r} has shape {tuple(t.shape)}, config.json implies {tuple(shape)}"
-            )
-        return t.to(device=device, dtype=dtype if dtype is not None else t.dtype)
+            return f.get_tensor(name), file.name
 
     def file(self, name: str) -> Path:
         p = self.path / name
@@ -77,13 +125,50 @@ class Checkpoint:
         return p
 
 
+def fresh_tensor(t: torch.Tensor, dtype: torch.dtype | None, device: torch.device | str) -> torch.Tensor:
+    """`t` cast to `dtype` on `device` in newly allocated, contiguous memory. A tensor read
+    from a file can start at any byte offset (safetensors packs them back to back), and torch's
+    CPU kernels pick paths by alignment: the same values at another offset can give other bits.
+    Fresh memory has the allocator's alignment, so a weight's bits never depend on where the file
+    put it, nor on how the file laid it out (one 3-D tensor or one per expert)."""
+    return t.to(
+        device=device,
+        dtype=dtype if dtype is not None else t.dtype,
+        memory_format=torch.contiguous_format,
+        copy=True,
+    )
+
+
+def gguf_in(path: Path) -> Path | None:
+    """The GGUF file `path` names: the file itself, or the one .gguf in a folder without a
+    config.json. None for a Hugging Face folder; several .gguf files in one folder are refused."""
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and not (path / "config.json").is_file():
+        found = sorted(path.glob("*.gguf"))
+        if len(found) > 1:
+            raise CheckpointError(
+                f"{path}: holds {len(found)} .gguf files ({', '.join(f.name for f in found)}); "
+                "pass the one to serve as --model FILE.gguf"
+            )
+        return found[0] if found else None
+    return None
+
+
 def open_checkpoint(path: str | Path) -> Checkpoint:
     root = Path(path).expanduser()
+    gguf = gguf_in(root)
+    if gguf is not None:
+        from keepwarm.engine.loading.gguf_checkpoint import open_gguf
+
+        return open_gguf(gguf)
     if not root.is_dir():
-        raise CheckpointError(f"model folder {root} does not exist (pass a Hugging Face checkpoint folder)")
+        raise CheckpointError(
+            f"model {root} does not exist (pass a Hugging Face checkpoint folder or a .gguf file)"
+        )
     cfg_path = root / "config.json"
     if not cfg_path.is_file():
-        raise CheckpointError(f"{root}: config.json is missing")
+        raise CheckpointError(f"{root}: config.json is missing (or pass a .gguf file)")
     try:
         config = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:

@@ -5,13 +5,18 @@ its stage's device (models/placement.py)."""
 from __future__ import annotations
 
 import importlib
+import logging
 
 import torch
 
 from keepwarm.engine.loading.checkpoint import Checkpoint, CheckpointError
+from keepwarm.engine.loading.load_progress import LoadProgress
+from keepwarm.engine.loading.packaged_model import model_id
 from keepwarm.engine.models.backend import Backend
 from keepwarm.engine.models.placement import Placement, PlacementError
 from keepwarm.kernels.ops import Ops
+
+log = logging.getLogger(__name__)
 
 MODEL_TYPE_TO_FAMILY = {
     "llama": "dense",
@@ -42,5 +47,12 @@ def build_backend(ckpt: Checkpoint, where: torch.device | Placement, dtype: torc
             f"--layer-split places {placement.num_layers} layers; this model has {ckpt.num_layers}"
         )
     module = importlib.import_module(f"keepwarm.engine.models.{family}")
-    backend: Backend = module.build(ckpt, placement, dtype, ops)
+    progress = LoadProgress(model_id(ckpt.path), len(ckpt.name_to_file))
+    ckpt.on_load.append(progress.step)
+    try:
+        backend: Backend = module.build(ckpt, placement, dtype, ops)
+    finally:
+        ckpt.on_load.remove(progress.step)
+    seconds = progress.finish()
+    log.info("loaded %s (%s, %s) in %.1f s", ckpt.path, ckpt.weights_format, dtype, seconds)
     return backend

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from keepwarm.engine.config import EngineConfig
 from keepwarm.engine.engine import Engine, EngineStats
@@ -31,18 +30,6 @@ from keepwarm.engine.models import MODEL_TYPE_TO_FAMILY
 from keepwarm.engine.serving import wire
 
 LOADED, PARKED = "loaded", "parked"
-_DTYPE_BYTES = {
-    "F64": 8,
-    "F32": 4,
-    "I64": 8,
-    "I32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "I16": 2,
-    "I8": 1,
-    "U8": 1,
-    "BOOL": 1,
-}
 
 
 @dataclass
@@ -89,19 +76,7 @@ def served_configs(cfg: EngineConfig) -> list[EngineConfig]:
 
 def weight_bytes(model: Path, dtype: torch.dtype) -> int:
     """Bytes of a checkpoint's tensors at `dtype` (integer tensors as stored)."""
-    ckpt = open_checkpoint(model)
-    size = torch.empty((), dtype=dtype).element_size()
-    total = 0
-    for f in ckpt.weight_files:
-        with safe_open(str(f), framework="pt", device="cpu") as h:
-            for name in h.keys():
-                s = h.get_slice(name)
-                n = 1
-                for d in s.get_shape():
-                    n *= int(d)
-                kind = s.get_dtype()
-                total += n * (size if kind.startswith(("F", "BF")) else _DTYPE_BYTES.get(kind, 1))
-    return total
+    return open_checkpoint(model).runtime_bytes(dtype)
 
 
 class ModelSet:
@@ -122,7 +97,7 @@ class ModelSet:
             family = MODEL_TYPE_TO_FAMILY.get(ckpt.model_type)
             if family is None:
                 raise CheckpointError(
-                    f"{c.model / 'config.json'}: model_type {ckpt.model_type!r} is not supported "
+                    f"{ckpt.path}: model_type {ckpt.model_type!r} is not supported "
                     f"(supported: {', '.join(sorted(MODEL_TYPE_TO_FAMILY))})"
                 )
             name = c.served_name

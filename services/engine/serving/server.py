@@ -38,7 +38,7 @@ from keepwarm.engine.serving.openai_format import (
     text_completion_chunk,
 )
 from keepwarm.engine.serving.reasoning import prompt_opens_reasoning, uses_think_tags
-from keepwarm.engine.serving.tool_calls import detect_format
+from keepwarm.engine.serving.tool_calls import encode_chat_with_tools, tool_format_for
 from keepwarm.engine.serving.worker import Job, QueueFull, Worker
 
 
@@ -314,7 +314,7 @@ def create_app(models: ModelSet, cfg: EngineConfig) -> Litestar:
         thinks = uses_think_tags(engine.template.source)
         tail = engine.tokenizer.decode(prompt_tokens[-16:], skip_special_tokens=False) if thinks else ""
         return ReplyShape(
-            tool_format=detect_format(engine.template.source) if tools_enabled else None,
+            tool_format=tool_format_for(engine.template.source, tools_enabled),
             first_call_only=not parallel,
             reasoning=thinks,
             starts_in_reasoning=thinks and prompt_opens_reasoning(tail),
@@ -428,7 +428,8 @@ def create_app(models: ModelSet, cfg: EngineConfig) -> Litestar:
             models.release(slot)  # the template outlives a park
             try:
                 rendered = await asyncio.to_thread(
-                    engine.template.encode_chat,
+                    encode_chat_with_tools,
+                    engine.template,
                     list(req.messages or ()),
                     body.add_generation_prompt,
                     list(req.tools) if req.tools else None,

@@ -27,6 +27,7 @@ NS_FIELDS = dict(
     chat_template_hash="c",
     dtype="bfloat16",
     layout_id="l",
+    weights_format="safetensors",
 )
 
 
@@ -77,7 +78,7 @@ def test_prefix_key_rejects_non_int32_tokens() -> None:
 
 def test_namespace_id_is_pinned_and_changes_with_every_field() -> None:
     base = namespace_id(**NS_FIELDS)
-    assert base == "c26a8e2e13ddcec794c33b8f6db409b3"
+    assert base == "00b2410d89a96c97b511254238e3623c"
     changed = set()
     for name, value in NS_FIELDS.items():
         other = dict(NS_FIELDS)

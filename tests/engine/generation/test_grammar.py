@@ -128,7 +128,7 @@ def test_json_object_mode_and_a_bad_token(gtok: GrammarTokenizer, tok: Tokenizer
     assert {t for t in range(gtok.vocab_size) if after[t] == 0} == set(gtok.stop_token_ids)
 
 
-TOOLS = (
+TOOLS: tuple[dict[str, Any], ...] = (
     {"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
                                          "unit": {"enum": ["C", "F"]}},
@@ -139,7 +139,7 @@ TOOLS = (
 )  # fmt: skip
 
 
-@pytest.mark.parametrize("fmt", ["hermes", "llama3_json"])
+@pytest.mark.parametrize("fmt", ["hermes", "llama3_json", "generic"])
 @pytest.mark.parametrize(
     "kind,name", [("tool_named", "count"), ("tool_named", "get_weather"), ("tool_required", None)]
 )
@@ -155,6 +155,70 @@ def test_forced_tool_calls_parse_as_calls(
             assert calls[0].name == name
         schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == calls[0].name)
         jsonschema.validate(json.loads(calls[0].arguments), schema)
+
+
+def accepts(m: Any, tok: Tokenizer, text: str) -> bool:
+    """Whether the matcher takes `text` (as the tokenizer splits it) and then lets the reply end."""
+    return all(m.advance(t) for t in tok.encode(text)) and m.is_done()
+
+
+W = '{"name":"get_weather","arguments":{"city":"Oslo","unit":"C"}}'
+N = '{"name":"count","arguments":{"n":7}}'
+
+
+@pytest.mark.parametrize(
+    "kind,name,parallel,text,ok",
+    [
+        ("tool_required", None, False, '{"tool_call":' + W + "}", True),
+        ("tool_required", None, False, '{"tool_call":' + N + "}", True),
+        ("tool_required", None, True, '{"tool_call":' + N + "}", True),
+        ("tool_required", None, True, '{"tool_calls":[' + N + "]}", True),
+        ("tool_required", None, True, '{"tool_calls":[' + N + "," + W + "," + N + "]}", True),
+        ("tool_named", "count", False, '{"tool_call":' + N + "}", True),
+        ("tool_named", "count", True, '{"tool_call":' + N + "}", True),
+        # not the shape: several calls without parallel calls, an empty list, another tool than the
+        # named one, a name that is no tool's, arguments off the schema, extra or missing keys,
+        # spaces (the JSON is compact), text around the object, an unfinished object
+        ("tool_required", None, False, '{"tool_calls":[' + N + "]}", False),
+        ("tool_required", None, True, '{"tool_calls":[]}', False),
+        ("tool_named", "count", True, '{"tool_call":' + W + "}", False),
+        ("tool_named", "count", True, '{"tool_calls":[' + N + "]}", False),
+        ("tool_required", None, True, '{"tool_call":{"name":"lookup","arguments":{}}}', False),
+        ("tool_required", None, True, '{"tool_call":{"name":"count","arguments":{"n":10}}}', False),
+        ("tool_required", None, True, '{"tool_call":{"name":"count","arguments":{"n":1,"m":2}}}', False),
+        ("tool_required", None, True, '{"tool_call":{"name":"count","arguments":{}}}', False),
+        ("tool_required", None, True, '{"tool_call":{"name":"count"}}', False),
+        ("tool_required", None, True, '{"tool_call":' + N + ',"content":""}', False),
+        ("tool_required", None, True, '{"tool_call": ' + N + "}", False),
+        ("tool_required", None, True, 'Sure.\n{"tool_call":' + N + "}", False),
+        ("tool_required", None, True, '{"tool_call":' + N, False),
+    ],
+)
+def test_generic_tool_grammar_accepts_exactly_the_call_shape(
+    gtok: GrammarTokenizer, tok: Tokenizer, kind: str, name: str | None, parallel: bool, text: str, ok: bool
+) -> None:
+    m = matcher_for(
+        Constraint(kind, tools=TOOLS, tool_name=name), gtok, "generic", parallel_tool_calls=parallel
+    )
+    assert accepts(m, tok, text) is ok
+    if ok:  # complete: only an end-of-turn token may follow
+        logits = torch.zeros(gtok.vocab_size)
+        apply_token_bitmask_(logits, m.allowed_tokens())
+        assert {t for t in range(gtok.vocab_size) if logits[t] == 0} == set(gtok.stop_token_ids)
+
+
+def test_generic_parallel_calls_sample_into_valid_calls(gtok: GrammarTokenizer, tok: Tokenizer) -> None:
+    counts = set()
+    for seed in range(8):
+        m = matcher_for(Constraint("tool_required", tools=TOOLS), gtok, "generic", parallel_tool_calls=True)
+        out, _ = sample_constrained(m, gtok, tok, seed)
+        content, calls = parse_tool_calls(out, "generic")
+        assert content == "" and calls, out
+        for call in calls:
+            schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == call.name)
+            jsonschema.validate(json.loads(call.arguments), schema)
+        counts.add((out.startswith('{"tool_calls":'), len(calls)))
+    assert (False, 1) in counts and any(many for many, _ in counts)  # both shapes came up
 
 
 def test_strict_schema_with_unsupported_keyword_is_refused(gtok: GrammarTokenizer) -> None:

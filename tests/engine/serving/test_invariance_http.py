@@ -1,5 +1,6 @@
 """A cached answer is the uncached answer, through the HTTP service in bfloat16, for every
-family the engine serves (dense, qwen3_5, deepseek_v4, laguna, gpt_oss): 20 multi-turn
+family the engine serves (dense, qwen3_5, deepseek_v4, laguna, gpt_oss) and the real
+SmolLM2-135M-Instruct Q4_1 GGUF: 20 multi-turn
 conversations with the prefix cache off and full (restores from the turn boundaries and
 continued checkpoints) give identical replies, greedy and seeded at temperature 0.8. The 40
 conversations of a round run 16 at a time, so off and full replies also come out of batches
@@ -18,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from keepwarm.engine.loading.checkpoint import open_checkpoint
 from tests.api.procs import Proc, start_engine
 
 WORDS = "river mill bridge winter miller children lantern harvest orchard market bell ferry".split()
@@ -32,17 +34,24 @@ FAMILIES = {
     "deepseek_v4": ("tiny_deepseek_model", "deepseek_v4"),
     "laguna": ("tiny_laguna_model", "laguna"),
     "gpt_oss": ("tiny_gpt_oss_model", "gpt_oss"),
+    "smollm2": ("smollm2_model", "llama"),  # the real model, its Q4_1 GGUF
 }
 
 
+# the real model's 30 layers cost ~10x a tiny model's step: fewer conversations, the same checks
+REAL_CONVERSATIONS = 8
+
+
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
-def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+def engine(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Proc, int]]:
     fixture, model_type = FAMILIES[request.param]
     model: Path = request.getfixturevalue(fixture)
-    assert json.loads((model / "config.json").read_text())["model_type"] == model_type
+    assert open_checkpoint(model).model_type == model_type
     tmp = tmp_path_factory.mktemp(f"invariance-http-{request.param}")
     proc = start_engine(model, tmp / "cache", tmp / "logs", extra=["--dtype", "bfloat16"])
-    yield proc
+    yield proc, REAL_CONVERSATIONS if request.param == "smollm2" else CONVERSATIONS
     proc.stop()
 
 
@@ -81,23 +90,26 @@ def _conversation(engine: Proc, seed: int, scope: str, temperature: float) -> li
     return turns
 
 
-def _round(engine: Proc, temperature: float) -> dict[tuple[int, str], list[Turn]]:
-    """The CONVERSATIONS conversations with the cache off and full, WORKERS at a time."""
-    runs = [(seed, scope) for seed in range(CONVERSATIONS) for scope in ("off", "full")]
+def _round(
+    engine: Proc, temperature: float, conversations: int = CONVERSATIONS
+) -> dict[tuple[int, str], list[Turn]]:
+    """`conversations` conversations with the cache off and full, WORKERS at a time."""
+    runs = [(seed, scope) for seed in range(conversations) for scope in ("off", "full")]
     with ThreadPoolExecutor(max_workers=WORKERS) as pool:
         done = pool.map(lambda run: _conversation(engine, run[0], run[1], temperature), runs)
         return dict(zip(runs, done, strict=True))
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_cache_full_answers_equal_cache_off_answers(engine: Proc, temperature: float) -> None:
-    done = _round(engine, temperature)
-    for seed in range(CONVERSATIONS):
+def test_cache_full_answers_equal_cache_off_answers(engine: tuple[Proc, int], temperature: float) -> None:
+    proc, conversations = engine
+    done = _round(proc, temperature, conversations)
+    for seed in range(conversations):
         off, full = done[seed, "off"], done[seed, "full"]
         assert [t[:3] for t in full] == [t[:3] for t in off], seed
         assert all(t[3] == 0 for t in off), seed  # off never restores
         assert all(t[3] > 0 for t in full[1:]), (seed, [t[3] for t in full])  # full restored every later turn
-    assert len({t[2] for run in done.values() for t in run}) > CONVERSATIONS  # the logits follow the prompt
+    assert len({t[2] for run in done.values() for t in run}) > conversations  # the logits follow the prompt
 
 
 def test_control_with_invariance_off_the_same_comparison_finds_a_difference(

@@ -4,12 +4,15 @@ the cache admin API and input errors."""
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
+import jsonschema
 import pytest
 
 from tests.api.procs import Proc, start_engine
@@ -138,3 +141,83 @@ def test_malformed_json_is_400(engine: Proc) -> None:
     r = httpx.post(engine.url + "/v1/chat/completions", content=b"{not json", timeout=30,
                    headers={"content-type": "application/json"})  # fmt: skip
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+
+
+# --- tools on a template that teaches no tool-call format (the generic format) -----------------------
+
+# SmolLM2-Instruct's ChatML template: no tools in it.
+PLAIN_CHATML = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n' }}"
+    "{% endif %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# Bounded arguments (an enum, a short string, a small integer, no extra keys): the random-weight
+# model cannot write past max_tokens inside them.
+TOOLS: list[dict[str, Any]] = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city.",
+     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                     "unit": {"enum": ["C", "F"]}},
+                    "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "count", "description": "Count to n.",
+     "parameters": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+                    "required": ["n"], "additionalProperties": False}}},
+]  # fmt: skip
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+@pytest.fixture(scope="module")
+def plain_engine(tiny_dense_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    tmp = tmp_path_factory.mktemp("engine-generic-tools")
+    model = tmp / "model"
+    shutil.copytree(tiny_dense_model, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = PLAIN_CHATML
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    proc = start_engine(model, tmp / "cache", tmp / "logs", extra=["--max-context", "2048"])
+    yield proc
+    proc.stop()
+
+
+def tool_chat(engine: Proc, messages: list[dict], **kw: object) -> dict:
+    body = {"messages": messages, "tools": TOOLS, "max_tokens": 128, "temperature": 0, **kw}
+    r = httpx.post(engine.url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_tool_choice_on_a_template_without_tools_uses_the_generic_format(plain_engine: Proc) -> None:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Weather in Oslo?"}]
+    # "required": exactly one call (parallel calls off), arguments valid for its tool, the reply ended by EOS
+    first = tool_chat(plain_engine, messages, tool_choice="required", parallel_tool_calls=False)
+    choice = first["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    [call] = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
+    assert first["usage"]["completion_tokens"] < 128
+    # a named function
+    named = tool_chat(plain_engine, messages, tool_choice={"type": "function", "function": {"name": "count"}})
+    [call2] = named["choices"][0]["message"]["tool_calls"]
+    assert named["choices"][0]["finish_reason"] == "tool_calls" and call2["function"]["name"] == "count"
+    jsonschema.validate(json.loads(call2["function"]["arguments"]), SCHEMAS["count"])
+    # streamed: the same call (greedy), whole in one delta
+    body = {"messages": messages, "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False,
+            "max_tokens": 128, "temperature": 0, "stream": True}  # fmt: skip
+    with httpx.stream("POST", plain_engine.url + "/v1/chat/completions", json=body, timeout=120) as r:
+        data = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    deltas = [d["choices"][0]["delta"] for d in data if d["choices"]]
+    streamed = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert [(c["index"], c["function"]) for c in streamed] == [(0, call["function"])]
+    assert not any(d.get("content") for d in deltas)
+    assert [d["choices"][0]["finish_reason"] for d in data if d["choices"][0]["finish_reason"]] == [
+        "tool_calls"
+    ]
+    # /tokenize renders the chat with its tools as the chat request did
+    tokenized = httpx.post(plain_engine.url + "/tokenize", json={"messages": messages, "tools": TOOLS}).json()
+    assert tokenized["count"] == first["usage"]["prompt_tokens"]
+    # the next turn (the call and its result in the history) restores the first turn's prompt
+    history = [*messages, choice["message"], {"role": "tool", "tool_call_id": call["id"], "content": "-3 C"}]
+    second = tool_chat(plain_engine, history, max_tokens=4)
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"]
+    assert second["usage"]["timings"]["cache_source"] == "memory"

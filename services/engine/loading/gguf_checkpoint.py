@@ -1,0 +1,240 @@
+"""A GGUF file as a checkpoint: a Hugging Face-shaped config built from its metadata and its
+tensors under the Hugging Face names the model families load, dequantized on load.
+
+The mapping follows llama.cpp's converter in reverse (the same one transformers applies
+when it reads a GGUF): `blk.N.attn_q.weight` is `model.layers.N.self_attn.q_proj.weight`,
+and for the `llama` architecture the Q and K rows are permuted back from llama.cpp's
+interleaved-pair RoPE layout to the half-split layout the families rotate with.
+
+Every `{arch}.*` metadata key is either honoured (mapped into the config), known not to
+change the computation, or refused with an error naming it; so is every tensor the family
+would not load (a tensor this mapping does not know is refused, never skipped).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from keepwarm.engine.loading.chat_template import ChatTemplate, ChatTemplateError
+from keepwarm.engine.loading.checkpoint import Checkpoint, CheckpointError
+from keepwarm.engine.loading.gguf_file import GgufError, GgufFile
+from keepwarm.engine.loading.tokenizer import Tokenizer
+
+# GGUF architecture -> config.json model_type
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+# {arch}.<key> -> config.json field
+_CONFIG_KEYS = {
+    "block_count": "num_hidden_layers",
+    "context_length": "max_position_embeddings",
+    "embedding_length": "hidden_size",
+    "feed_forward_length": "intermediate_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "rope.freq_base": "rope_theta",
+    "vocab_size": "vocab_size",
+    "attention.key_length": "head_dim",
+}
+# {arch}.<key> read below, or that change nothing the engine computes
+_CHECKED_KEYS = {"rope.dimension_count", "attention.value_length", "rope.scaling.type", "rope.scaling.factor"}
+
+# per-layer GGUF tensor suffix -> Hugging Face suffix under model.layers.N.
+_LAYER_TENSORS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}"
+    return None
+
+
+def config_from_metadata(gguf: GgufFile) -> dict[str, Any]:
+    """The config.json transformers would build for this file; refuses, naming the key, any
+    architecture or metadata that asks for math the families do not implement."""
+    arch = gguf.architecture
+    model_type = ARCHITECTURES.get(arch)
+    if model_type is None:
+        raise CheckpointError(
+            f"{gguf.path}: general.architecture {arch!r} is not supported "
+            f"(supported GGUF architectures: {', '.join(sorted(ARCHITECTURES))})"
+        )
+    meta = gguf.metadata
+    cfg: dict[str, Any] = {"model_type": model_type, "architectures": [f"{model_type}ForCausalLM"]}
+    prefix = arch + "."
+    for key, value in meta.items():
+        if not key.startswith(prefix):
+            continue
+        short = key[len(prefix) :]
+        if short in _CONFIG_KEYS:
+            cfg[_CONFIG_KEYS[short]] = value
+        elif short not in _CHECKED_KEYS:
+            raise CheckpointError(
+                f"{gguf.path}: metadata {key} = {value!r} is not supported by this engine's {arch} "
+                "loader (it may change the computation)"
+            )
+    for need in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads"):
+        if need not in cfg:
+            raise CheckpointError(f"{gguf.path}: metadata {prefix}{_key_of(need)} is missing")
+    cfg.setdefault("num_key_value_heads", cfg["num_attention_heads"])
+    cfg.setdefault("rms_norm_eps", 1e-6 if arch != "llama" else 1e-5)
+    if "vocab_size" not in cfg:
+        tokens = meta.get("tokenizer.ggml.tokens")
+        if not isinstance(tokens, list):
+            raise CheckpointError(
+                f"{gguf.path}: neither {prefix}vocab_size nor tokenizer.ggml.tokens is present"
+            )
+        cfg["vocab_size"] = len(tokens)
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    value_dim = meta.get(prefix + "attention.value_length", head_dim)
+    if value_dim != head_dim:
+        raise CheckpointError(
+            f"{gguf.path}: metadata {prefix}attention.value_length {value_dim} differs from the key length "
+            f"{head_dim}, which this engine does not implement"
+        )
+    rotary = meta.get(prefix + "rope.dimension_count", head_dim)
+    if rotary != head_dim:
+        raise CheckpointError(
+            f"{gguf.path}: metadata {prefix}rope.dimension_count {rotary} rotates part of a {head_dim}-wide "
+            "head, which this engine does not implement for this architecture"
+        )
+    scaling = meta.get(prefix + "rope.scaling.type", "none")
+    if scaling == "linear":
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(meta[prefix + "rope.scaling.factor"])}
+    elif scaling != "none":
+        raise CheckpointError(
+            f"{gguf.path}: metadata {prefix}rope.scaling.type {scaling!r} is not supported (none and linear are)"
+        )
+    if "rope_freqs.weight" in gguf.tensors:
+        raise CheckpointError(
+            f"{gguf.path}: tensor rope_freqs.weight (per-frequency RoPE factors, Llama 3.1 style) is not "
+            "supported from a GGUF; use the Hugging Face folder of this model"
+        )
+    cfg["tie_word_embeddings"] = "output.weight" not in gguf.tensors
+    for tid, name in (
+        ("bos_token_id", "tokenizer.ggml.bos_token_id"),
+        ("eos_token_id", "tokenizer.ggml.eos_token_id"),
+    ):
+        if isinstance(meta.get(name), int):
+            cfg[tid] = meta[name]
+    if arch == "qwen2":
+        cfg["use_sliding_window"] = False
+    return cfg
+
+
+def _key_of(field_name: str) -> str:
+    return next(k for k, v in _CONFIG_KEYS.items() if v == field_name)
+
+
+@dataclass(frozen=True)
+class GgufCheckpoint(Checkpoint):
+    """`path` is the .gguf file; `name_to_file` maps each Hugging Face weight name to it."""
+
+    gguf: GgufFile = field(default=None, repr=False)  # type: ignore[assignment]
+    hf_to_gguf: dict[str, str] = field(default_factory=dict, repr=False)
+
+    @property
+    def weights_format(self) -> str:
+        return "gguf"
+
+    @property
+    def weight_names_matter(self) -> bool:
+        return False
+
+    def runtime_bytes(self, dtype: torch.dtype) -> int:
+        size = torch.empty((), dtype=dtype).element_size()
+        return sum(math.prod(t.shape) * size for t in self.gguf.tensors.values())
+
+    def open_tokenizer(self) -> Tokenizer:
+        from keepwarm.engine.loading.gguf_tokenizer import tokenizer_from_gguf
+
+        return tokenizer_from_gguf(self.gguf)
+
+    def open_chat_template(self, tokenizer: Tokenizer) -> ChatTemplate:
+        """`tokenizer.chat_template`, and named ones (`tokenizer.chat_template.NAME`)."""
+        meta = self.gguf.metadata
+        named = {
+            k.removeprefix("tokenizer.chat_template."): v
+            for k, v in meta.items()
+            if k.startswith("tokenizer.chat_template.") and isinstance(v, str)
+        }
+        if isinstance(meta.get("tokenizer.chat_template"), str):
+            named["default"] = meta["tokenizer.chat_template"]
+        if not named:
+            raise ChatTemplateError(
+                f"{self.path}: the GGUF metadata has no tokenizer.chat_template, so chat cannot be "
+                "rendered; use a file that carries one"
+            )
+        return ChatTemplate(named["default"] if list(named) == ["default"] else named, tokenizer)
+
+    def _read(self, name: str) -> tuple[torch.Tensor, str]:
+        src = self.hf_to_gguf.get(name)
+        if src is None:
+            raise CheckpointError(f"{self.path}: weight {name!r} has no tensor in this GGUF file")
+        try:
+            t = self.gguf.dequantize(src)
+        except GgufError as e:
+            raise CheckpointError(str(e)) from e
+        if self.model_type == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")) and t.dim() == 2:
+            heads = (
+                self.config["num_attention_heads"] if "q_proj" in name else self.config["num_key_value_heads"]
+            )
+            t = _unpermute_rope_rows(t, int(heads))
+        return t, f"{self.path.name} ({src})"
+
+    def file(self, name: str) -> Path:
+        raise CheckpointError(f"{self.path}: a GGUF file has no {name} beside it")
+
+
+def _unpermute_rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's converter stores each head's rows as interleaved (even, odd) pairs;
+    the families rotate the first half against the second (transformers' layout)."""
+    rows = w.shape[0]
+    half = rows // heads // 2
+    return w.reshape(heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def open_gguf(path: Path) -> GgufCheckpoint:
+    try:
+        gguf = GgufFile(path)
+    except GgufError as e:
+        raise CheckpointError(str(e)) from e
+    config = config_from_metadata(gguf)
+    hf_to_gguf: dict[str, str] = {}
+    for name in gguf.tensors:
+        hf = _hf_name(name)
+        if hf is None:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} is not one this engine's {gguf.architecture} loader knows "
+                "(it would be ignored, changing the model)"
+            )
+        hf_to_gguf[hf] = name
+    return GgufCheckpoint(path, config, dict.fromkeys(hf_to_gguf, path), gguf=gguf, hf_to_gguf=hf_to_gguf)
