@@ -22,7 +22,18 @@ wins the race by MIN_FMA_SPEEDUP; else "dpbf16". `prefill_form()` says which (th
 the decode form). KEEPWARM_CPU_PREFILL_FORM=fma|dpbf16 forces one (tests); forcing "fma" where
 the probe finds it inexact raises instead of running it.
 
-  kernel when: the extension loaded (CPU has avx512_bf16 and the build succeeded), x and
+Two builds of the same source, chosen once per process from the CPU's flags (`kernel_isa`):
+  - "avx512_bf16" (CPUs with avx512f/bw/vl and avx512_bf16): -mavx512* as below;
+  - "avx2" (x86 CPUs without those but with avx2, fma and f16c: Zen 2/3, Haswell to Alder
+    Lake): -mavx2 -mfma -mf16c -DKEEPWARM_AVX2, the AVX-512 intrinsics emulated lane by lane on
+    pairs of 256-bit vectors (kernels/csrc/avx512_compat.h). The same contract, so the same
+    invariance; its bits need not equal the AVX-512 build's (there "vdpbf16ps" is the same two
+    FMAs as the "fma" form, under the caller's MXCSR: denormals kept, the forms one result by
+    construction, so the race alone picks). Its extension has its own name (EXTENSION_NAME +
+    "_avx2"), so a cached build of one never loads as the other.
+  Else torch. KEEPWARM_CPU_KERNEL_BUILD=avx2 picks the AVX2 build on an AVX-512 CPU (tests).
+
+  kernel when: the extension loaded (CPU has one build's flags and it built), x and
   weight share a dtype, bf16 or fp32, on CPU, weight is contiguous [N, K], x has >= 1 row
   (leading dims flattened), bias is None or a [N] CPU tensor of that dtype, and no autograd
   graph is being recorded through x, weight or bias. Otherwise torch (not invariant).
@@ -36,6 +47,7 @@ Set KEEPWARM_CPU_LINEAR=0 to keep the kernel off.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 from dataclasses import dataclass
@@ -52,15 +64,26 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_linear.cpp"
 EXTENSION_NAME = "keepwarm_cpu_linear"
 STREAM_ROWS = 16  # rows up to which the streaming (decode) path runs (kStreamRows in C++)
 DECODE_FMA_ROWS = 4  # rows from which the decode path runs the "fma" form (kStreamFmaRows in C++)
-REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")  # the AVX-512 build
+AVX2_FLAGS = ("avx2", "fma", "f16c")  # the AVX2 build
 # Explicit ISA flags rather than -march=native: a cached build must not use instructions the
 # runtime check did not verify.
 # -ffp-contract=off: no compiler-chosen fused multiply-adds, whose use could differ between
 # the template instances that compute the same row in different paths.
 CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-ffp-contract=off", "-fopenmp")
+AVX2_CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-DKEEPWARM_AVX2")
 # torch ships libgomp.so.1 and has it loaded already; linking against the same soname makes
 # the kernel share torch's OpenMP pool (and its thread count) instead of starting a second.
 LDFLAGS = ("-fopenmp",)
+
+Isa = Literal["avx512_bf16", "avx2"]  # the two builds, preferred first
+ISAS: tuple[Isa, ...] = get_args(Isa)
+ISA_FLAGS: dict[Isa, tuple[str, ...]] = {"avx512_bf16": REQUIRED_FLAGS, "avx2": AVX2_FLAGS}
+ISA_CFLAGS: dict[Isa, tuple[str, ...]] = {"avx512_bf16": CFLAGS, "avx2": AVX2_CFLAGS}
+ISA_SUFFIX: dict[Isa, str] = {"avx512_bf16": "", "avx2": "_avx2"}
+ISA_ENV = "KEEPWARM_CPU_KERNEL_BUILD"
+CSRC = SOURCE.parent
+COMPAT_HEADER = CSRC / "avx512_compat.h"  # the AVX2 build's emulation of the AVX-512 intrinsics
 
 PrefillForm = Literal["fma", "dpbf16"]
 PREFILL_FORMS: tuple[PrefillForm, ...] = get_args(PrefillForm)
@@ -83,16 +106,62 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     return frozenset()
 
 
+def kernel_isa(flags: frozenset[str], forced: str | None = None) -> Isa | None:
+    """The build for a CPU with these flags: "avx512_bf16" where it has REQUIRED_FLAGS, else
+    "avx2" where it has AVX2_FLAGS, else None (torch). `forced` (default: KEEPWARM_CPU_KERNEL_BUILD,
+    "" when unset) picks a build the CPU supports; an unknown or unsupported one is ignored."""
+    forced = os.environ.get(ISA_ENV, "") if forced is None else forced
+    supported = [isa for isa in ISAS if all(f in flags for f in ISA_FLAGS[isa])]
+    for isa in supported:
+        if isa == forced:
+            return isa
+    if forced:
+        log.warning(
+            "%s=%r: not a build this CPU supports (%s); ignored", ISA_ENV, forced, supported or "none"
+        )
+    return supported[0] if supported else None
+
+
 def cpu_supports_kernel(flags: frozenset[str]) -> bool:
-    return all(f in flags for f in REQUIRED_FLAGS)
+    """Whether one of the builds runs on a CPU with these flags."""
+    return kernel_isa(flags, forced="") is not None
+
+
+def missing_flags(flags: frozenset[str]) -> str:
+    """What a CPU with these flags lacks for each build (for the log line)."""
+    return "; ".join(
+        f"{', '.join(f for f in ISA_FLAGS[isa] if f not in flags)} (the {isa} build)" for isa in ISAS
+    )
+
+
+def headers_digest(headers: tuple[Path, ...]) -> str:
+    """A short hash of the headers' bytes: torch rebuilds when a source or a flag changes, not a
+    header, so the builds pass it as a flag."""
+    return hashlib.sha256(b"".join(h.read_bytes() for h in headers)).hexdigest()[:16]
+
+
+def compile_flags(isa: Isa, headers: tuple[Path, ...] = ()) -> list[str]:
+    """The compiler flags of a build; the AVX2 build also hashes the compat header."""
+    if isa == "avx2":
+        headers = (*headers, COMPAT_HEADER)
+    return [*ISA_CFLAGS[isa], *([f"-DKEEPWARM_HEADERS={headers_digest(headers)}"] if headers else [])]
+
+
+def extension_name(name: str, isa: Isa) -> str:
+    """The extension's name for a build: the builds never share a cached module."""
+    return name + ISA_SUFFIX[isa]
 
 
 def build_extension(
-    source: Path = SOURCE, name: str = EXTENSION_NAME, build_dir: Path | None = None, verbose: bool = False
+    source: Path = SOURCE,
+    name: str = EXTENSION_NAME,
+    build_dir: Path | None = None,
+    verbose: bool = False,
+    isa: Isa = "avx512_bf16",
 ) -> ModuleType:
-    """Compile (or load the cached build of) the C++ kernel. Raises on any build error.
-    `build_dir` None is torch's extension cache (~/.cache/torch_extensions or
-    $TORCH_EXTENSIONS_DIR)."""
+    """Compile (or load the cached build of) the C++ kernel's `isa` build, as extension `name`
+    (callers pass extension_name(...)). Raises on any build error. `build_dir` None is torch's
+    extension cache (~/.cache/torch_extensions or $TORCH_EXTENSIONS_DIR)."""
     from torch.utils import cpp_extension
 
     if build_dir is not None:
@@ -100,7 +169,7 @@ def build_extension(
     return cpp_extension.load(
         name=name,
         sources=[str(source)],
-        extra_cflags=list(CFLAGS),
+        extra_cflags=compile_flags(isa),
         extra_ldflags=list(LDFLAGS),
         build_directory=None if build_dir is None else str(build_dir),
         verbose=verbose,
@@ -222,19 +291,23 @@ def load(
     flags: frozenset[str] | None = None,
     build_dir: Path | None = None,
 ) -> CpuLinear:
-    """Build and load the kernel, and choose its bf16 form (`bind`). Without the CPU
-    features, or when the build fails, or with KEEPWARM_CPU_LINEAR=0, the result falls back
+    """Build and load the kernel's build for this CPU (`kernel_isa`), and choose its bf16 form
+    (`bind`). Without either build's CPU features, or when the build fails, or with KEEPWARM_CPU_LINEAR=0, the result falls back
     to torch (and says why in one log line). Raises only for a bad KEEPWARM_CPU_PREFILL_FORM."""
     if os.environ.get("KEEPWARM_CPU_LINEAR", "1") == "0":
         log.info("cpu_linear: disabled by KEEPWARM_CPU_LINEAR=0; using torch F.linear")
         return CpuLinear(None)
     flags = cpu_flags() if flags is None else flags
-    if not cpu_supports_kernel(flags):
-        missing = [f for f in REQUIRED_FLAGS if f not in flags]
-        log.info("cpu_linear: CPU lacks %s; using torch F.linear", ", ".join(missing))
+    isa = kernel_isa(flags)
+    if isa is None:
+        log.info("cpu_linear: CPU lacks %s; using torch F.linear", missing_flags(flags))
         return CpuLinear(None)
+    if isa == "avx2":
+        lacks = [f for f in REQUIRED_FLAGS if f not in flags]
+        why = f"CPU lacks {', '.join(lacks)}" if lacks else f"chosen by {ISA_ENV}"
+        log.info("cpu_linear: the AVX2 build, AVX-512 intrinsics emulated (%s)", why)
     try:
-        ext = build_extension(source, name, build_dir)
+        ext = build_extension(source, extension_name(name, isa), build_dir, isa=isa)
     except Exception as e:  # any build/load failure must leave the engine on torch
         log.warning(
             "cpu_linear: building %s failed (%s: %s); using torch F.linear", source, type(e).__name__, e

@@ -33,7 +33,8 @@ same bits whatever else is in the call — batch composition, prefill chunk leng
 prefill — so a prefix restored from the cache computes exactly like the uncached prefill.
 The CPU bundle "cpu_invariant" uses the kernels of cpu_linear, cpu_rowwise, cpu_attention
 and cpu_delta_rule (one token-serial recurrence for prefill and decode) behind the start-up
-self-check (kernels/invariance.py).
+self-check (kernels/invariance.py), built for AVX-512 BF16 or, on x86 CPUs without it, for
+AVX2 + FMA (kernels/csrc/avx512_compat.h); on CPUs with neither, the references (torch).
 On a GPU the bundle "triton_invariant" (kernels/triton_invariant.py) keeps the same
 property: fixed tiles whatever the row count, no split reductions, one attention kernel
 for prefill and decode, the token-serial delta rule.
@@ -123,7 +124,10 @@ def _decode_rows_linear(
 def cpu_ops(invariant: bool = True) -> Ops:
     """The CPU bundle. invariant: the invariant kernels behind the self-check (one SelfCheck
     per process, so a refusal holds for every backend); else the references plus the
-    decode GEMV. Without AVX-512 BF16 (or with a failed build) both are the references."""
+    decode GEMV. The kernels are cpu_linear's build for this CPU: AVX-512 BF16 where it has
+    it, else the AVX2 build (avx2 + fma + f16c: the same kernels with the AVX-512 intrinsics
+    emulated, equally invariant). Without either (or with a failed build) both are the
+    references."""
     from keepwarm.kernels import cpu_attention, cpu_delta_rule, cpu_linear, cpu_rowwise
 
     if not cpu_linear.available():  # builds the extension once, here, not on the first call

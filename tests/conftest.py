@@ -13,6 +13,39 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def _interpreter_dot_in_k_order() -> None:
+    """Under TRITON_INTERPRET the interpreter computes `tl.dot` with numpy's matmul, whose
+    per-element order depends on the BLAS's path for the tile's shape and a row's place in it
+    (OpenBLAS on an AVX2 Zen 3 gives row 17 of a tile other bits than row 0). On a GPU a dot
+    tile's element is one K-ordered reduction wherever its row sits. The interpreter is made to
+    do the same: the product accumulated one k at a time, elementwise, so a row's bits never
+    depend on the other rows of the tile (what the Triton kernels' invariance tests assert)."""
+    import numpy as np
+
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # type: ignore[no-untyped-def]
+        if a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        acc_type = d.data.dtype
+        x, y = a.data.astype(acc_type), b.data.astype(acc_type)
+        acc = np.array(d.data, dtype=acc_type, copy=True)
+        for k in range(x.shape[-1]):
+            acc = acc + x[..., :, k : k + 1] * y[..., k : k + 1, :]
+        return interpreter.TensorHandle(acc, d.dtype.scalar)
+
+    builder.create_dot = create_dot
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _interpreter_dot_in_k_order()
+
 NO_GPU = "no GPU here: torch.cuda.is_available() is False (a ROCm build of torch reports its GPU as cuda too)"
 
 # The devices a `device`-taking test runs on: the CPU always; the GPU where torch sees one, marked

@@ -29,7 +29,9 @@
 //   row b is attention(q[b][None], k_b, v_b, scale)[0], the same bits. Decode rows (this and
 //   attention with T = 1 and no offset, window, extra keys or sinks) skip the staging: see
 //   `decode_heads`.
-// Compiled with -mavx512f -mavx512bw -mavx512vl -ffp-contract=off.
+// Compiled with -mavx512f -mavx512bw -mavx512vl -ffp-contract=off, or for x86 CPUs without
+// AVX-512 with -mavx2 -mfma -mf16c -ffp-contract=off -DKEEPWARM_AVX2 (vec_math.h then includes
+// avx512_compat.h, which emulates the AVX-512 intrinsics lane by lane on AVX2).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

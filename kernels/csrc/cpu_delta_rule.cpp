@@ -16,7 +16,9 @@
 //     from 0 in i order); d = (v - kv) * beta; S[i] = S[i] + kn[i] d (fused), out = sum_i
 //     S[i] qn[i] (one chain from 0 in i order).
 // Threads split (value head, column block) pairs, never a head's tokens or Dk sums.
-// Compiled with -mavx512f -mavx512bw -mavx512vl -ffp-contract=off.
+// Compiled with -mavx512f -mavx512bw -mavx512vl -ffp-contract=off, or for x86 CPUs without
+// AVX-512 with -mavx2 -mfma -mf16c -ffp-contract=off -DKEEPWARM_AVX2 (vec_math.h then includes
+// avx512_compat.h, which emulates the AVX-512 intrinsics lane by lane on AVX2).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

@@ -36,7 +36,11 @@
 // the arithmetic binds); on Zen 4 (vdpbf16ps at about the FMA rate) it would be ~2x slower, and
 // whether it rounds like vdpbf16ps there is for the probe to say.
 // Compiled with -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -ffp-contract=off: the Python
-// side loads this only on CPUs that report avx512_bf16.
+// side loads this build only on CPUs that report avx512_bf16. On x86 CPUs without it but with
+// AVX2 + FMA, the AVX2 build (-mavx2 -mfma -mf16c -ffp-contract=off -DKEEPWARM_AVX2) runs the
+// same code with avx512_compat.h emulating each AVX-512 intrinsic on two 256-bit halves: the
+// same contract, so the same invariance (its bits need not equal the AVX-512 build's: there
+// vdpbf16ps is two FMAs under the caller's MXCSR, denormals kept, and so is the "fma" form).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -56,6 +60,10 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+#ifdef KEEPWARM_AVX2
+#include "avx512_compat.h"  // the AVX2 build: the AVX-512 names emulated, included last
+#endif
 
 namespace {
 
@@ -248,8 +256,15 @@ void stream_range(const typename Kind::T* x, const typename Kind::T* w, Bias<Kin
 
 // --- prefill path (fp32; bf16 "dpbf16" form): register tiles, one chain at a time -----------
 
+#ifdef KEEPWARM_AVX2
+// 16 ymm registers, two per emulated zmm: smaller tiles (the shape never changes a bit; of 4x6,
+// 3x2, 2x3, 2x2, 2x4 and 1x6, 2x4 was fastest on Zen 3, ~1.4x the prefill rate of 4x6).
+constexpr int kMr = 2;
+constexpr int kNr = 4;
+#else
 constexpr int kMr = 4;  // token rows per register tile
 constexpr int kNr = 6;  // weight rows per register tile (kMr * kNr accumulators + kNr + 1 loads)
+#endif
 
 // Chain u of the tile x[0..MR) x w[0..NR), its blocks in the contract's order, added into
 // total[MR][NR][16] (chain 0 stores): after the four chains, total = ((c0 + c1) + c2) + c3.
@@ -373,12 +388,19 @@ void tiled_range(const typename Kind::T* x, const typename Kind::T* w, Bias<Kind
 // so each chain is one contiguous run. x panel: [tile of kPMr rows][block][row][32]; strip:
 // [block][kPNr weight rows][32]; rows past M or N are zeros whose outputs are dropped.
 
-constexpr int kPMr = 4;             // token rows per register tile
-constexpr int kPNr = 6;             // weight rows per register tile: 24 accumulators + 6 w + 1 x zmm
+constexpr int kPMr = kMr;           // token rows per register tile (4; the AVX2 build: 2)
+constexpr int kPNr = kNr;           // weight rows per register tile (6: 24 accumulators + 6 w + 1 x zmm; AVX2: 4)
 constexpr int kMaxGroupTiles = 4;   // tiles per DAZ/FTZ window (see packed_run)
 constexpr int kLanes = 16;
 constexpr int kPacked = 2 * kLanes;     // floats per packed block per row
+#ifdef KEEPWARM_AVX2
+// The AVX2 build has no vdpbf16ps: avx512_compat.h's _mm512_dpbf16_ps is these same two FMAs
+// under the caller's MXCSR, so the FMA form keeps the caller's DAZ/FTZ bits (the two forms are
+// one result by construction; the probe checks it).
+constexpr unsigned kCsrDpbf = 0x1f80u;  // MXCSR: all exceptions masked
+#else
 constexpr unsigned kCsrDpbf = 0x9fc0u;  // MXCSR: FTZ | all exceptions masked | DAZ
+#endif
 constexpr unsigned kCsrRound = 0x6000u;  // MXCSR rounding control (00: nearest even)
 
 // The MXCSR under which the FMA form is vdpbf16ps: the caller's with DAZ, FTZ, all exceptions
@@ -392,10 +414,14 @@ inline __m512 bf16_odd(__m512i v) {
 inline __m512 bf16_even(__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
 
 // acc + w * x in one rounding; NaN priority w, x, acc (vdpbf16ps's src1, src2, srcdest).
+#ifdef KEEPWARM_AVX2
+inline __m512 fma_wx(__m512 acc, __m512 w, __m512 x) { return keepwarm_avx2::fma_wx512(acc, w, x); }
+#else
 inline __m512 fma_wx(__m512 acc, __m512 w, __m512 x) {
   asm("vfmadd231ps %[x], %[w], %[acc]" : [acc] "+v"(acc) : [w] "v"(w), [x] "v"(x));
   return acc;
 }
+#endif
 
 // One block in the FMA form: the odd products, then the even ones.
 inline __m512 fma_block(__m512 acc, __m512 w_odd, __m512 w_even, __m512 x_odd, __m512 x_even) {

@@ -16,7 +16,9 @@
 //     convolution y[c, t] = round(w[c, 0] x[c, t] + ... + w[c, K-1] x[c, t + K - 1]) summed in
 //     fp32 in tap order, then silu (rounded), as F.silu(F.conv1d(x, weight, groups=C)).
 // bf16 or fp32; the last dim contiguous, rows may be strided (a chunk of a fused projection).
-// Compiled with -mavx512f -mavx512bw -mavx512vl -ffp-contract=off.
+// Compiled with -mavx512f -mavx512bw -mavx512vl -ffp-contract=off, or for x86 CPUs without
+// AVX-512 with -mavx2 -mfma -mf16c -ffp-contract=off -DKEEPWARM_AVX2 (vec_math.h then includes
+// avx512_compat.h, which emulates the AVX-512 intrinsics lane by lane on AVX2).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

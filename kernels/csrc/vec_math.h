@@ -2,13 +2,18 @@
 // kernels: an element's result depends only on its value, never on where it sits in a row,
 // how long the row is or how many rows a call has (no scalar tails: partial vectors are
 // masked), so batch and chunk composition cannot change a bit.
-// Needs -mavx512f -mavx512bw -mavx512vl -ffp-contract=off.
+// Needs -mavx512f -mavx512bw -mavx512vl -ffp-contract=off, or (the AVX2 build) -mavx2 -mfma -mf16c
+// -ffp-contract=off -DKEEPWARM_AVX2 with avx512_compat.h emulating the AVX-512 intrinsics.
 #pragma once
 
 #include <immintrin.h>
 
 #include <cstdint>
 #include <cstring>
+
+#ifdef KEEPWARM_AVX2
+#include "avx512_compat.h"  // the AVX2 build: the AVX-512 names emulated, included last
+#endif
 
 namespace keepwarm {
 

@@ -38,7 +38,7 @@ DEFAULT_CHUNK = EngineConfig(model=Path(".")).chunk_size
 
 pytestmark = pytest.mark.skipif(
     not all(m.available() for m in (cpu_linear, cpu_attention, cpu_rowwise, cpu_delta_rule)),
-    reason="the invariant CPU kernels need AVX-512 BF16 (this CPU lacks it or the build failed)",
+    reason="the invariant CPU kernels need AVX-512 BF16 or AVX2 + FMA + F16C (this CPU lacks both or the build failed)",
 )
 
 

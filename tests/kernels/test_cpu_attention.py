@@ -12,7 +12,7 @@ from keepwarm.kernels import cpu_attention, cpu_rowwise, reference
 
 needs_kernels = pytest.mark.skipif(
     not (cpu_attention.available() and cpu_rowwise.available()),
-    reason="the CPU kernels need AVX-512 BF16 (this CPU lacks it or the build failed)",
+    reason="the CPU kernels need AVX-512 BF16 or AVX2 + FMA (this CPU has neither, or the build failed)",
 )
 DTYPES = [torch.float32, torch.bfloat16]
 

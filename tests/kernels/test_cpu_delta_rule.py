@@ -11,7 +11,10 @@ import torch.nn.functional as F
 from keepwarm.kernels import cpu_delta_rule
 from keepwarm.kernels.delta_rule import recurrent_gated_delta_rule
 
-pytestmark = pytest.mark.skipif(not cpu_delta_rule.available(), reason="the CPU kernels need AVX-512 BF16")
+pytestmark = pytest.mark.skipif(
+    not cpu_delta_rule.available(),
+    reason="the CPU kernels need AVX-512 BF16 or AVX2 + FMA (this CPU has neither, or the build failed)",
+)
 DTYPES = [torch.float32, torch.bfloat16]
 
 

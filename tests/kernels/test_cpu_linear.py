@@ -3,8 +3,10 @@ and an fp64 reference; one reduction order per row for every row count and both 
 routing: which calls take the kernel, which fall back to torch, and that a CPU without the
 feature or a failed build leaves `linear` working on torch alone.
 
-The kernel tests need a CPU with avx512_bf16 (they are skipped, with that reason, elsewhere);
-the fallback tests run everywhere, and on a CPU without the feature assert available() is False."""
+The kernel tests need a CPU with avx512_bf16, or with avx2 + fma + f16c for the AVX2 build
+(they are skipped, with that reason, elsewhere); the fallback tests run everywhere, and on a
+CPU without either assert available() is False. Which build a CPU gets, and the AVX2 build's
+invariance on any CPU that can run it (an AVX-512 one included), are pinned here too."""
 
 from __future__ import annotations
 
@@ -17,14 +19,14 @@ import torch
 import torch.nn.functional as F
 
 from keepwarm.kernels import cpu_linear
-from keepwarm.kernels.cpu_linear import REQUIRED_FLAGS, CpuLinear
+from keepwarm.kernels.cpu_linear import AVX2_FLAGS, EXTENSION_NAME, ISA_ENV, REQUIRED_FLAGS, CpuLinear
 
 # The kernel is expected exactly where the CPU has the feature (and nobody switched it off).
 HAS_FEATURE = cpu_linear.cpu_supports_kernel(cpu_linear.cpu_flags())
 SWITCHED_OFF = os.environ.get("KEEPWARM_CPU_LINEAR", "1") == "0"
 needs_kernel = pytest.mark.skipif(
     not HAS_FEATURE or SWITCHED_OFF,
-    reason="CPU lacks avx512_bf16 (or KEEPWARM_CPU_LINEAR=0): the kernel cannot run",
+    reason="CPU lacks avx512_bf16 and avx2/fma/f16c (or KEEPWARM_CPU_LINEAR=0): the kernel cannot run",
 )
 
 BF16 = torch.bfloat16
@@ -46,7 +48,7 @@ def _ref64(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Te
 @pytest.fixture(scope="module")
 def kernel() -> CpuLinear:
     k = cpu_linear.default()
-    assert k.available(), "the extension failed to build on a CPU with avx512_bf16 (see the log)"
+    assert k.available(), "the extension failed to build on a CPU with one build's flags (see the log)"
     return k
 
 
@@ -70,6 +72,29 @@ def test_cpu_flags_parse_a_cpuinfo_file(tmp_path: Path) -> None:
     assert cpu_linear.cpu_flags(tmp_path / "missing") == frozenset()
 
 
+def test_the_build_follows_the_cpu_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    """AVX-512 BF16 where the CPU has it, else AVX2 (avx2 + fma + f16c), else none; the
+    environment variable picks a supported build only; the builds never share a name."""
+    monkeypatch.delenv(ISA_ENV, raising=False)
+    zen4 = frozenset({"fpu", *AVX2_FLAGS, *REQUIRED_FLAGS})
+    zen3 = frozenset({"fpu", "avx", *AVX2_FLAGS})
+    assert cpu_linear.kernel_isa(zen4) == "avx512_bf16"
+    assert cpu_linear.kernel_isa(zen3) == "avx2"
+    assert cpu_linear.kernel_isa(zen3 - {"fma"}) is None
+    assert cpu_linear.kernel_isa(frozenset(REQUIRED_FLAGS)) == "avx512_bf16"
+    assert cpu_linear.cpu_supports_kernel(zen3) and not cpu_linear.cpu_supports_kernel(zen3 - {"f16c"})
+    assert cpu_linear.kernel_isa(zen4, forced="avx2") == "avx2"
+    assert cpu_linear.kernel_isa(zen3, forced="avx512_bf16") == "avx2"  # unsupported: ignored
+    assert cpu_linear.kernel_isa(zen3, forced="sse") == "avx2"
+    monkeypatch.setenv(ISA_ENV, "avx2")
+    assert cpu_linear.kernel_isa(zen4) == "avx2"
+    names = {cpu_linear.extension_name(EXTENSION_NAME, isa) for isa in cpu_linear.ISAS}
+    assert names == {EXTENSION_NAME, EXTENSION_NAME + "_avx2"}
+    assert "-DKEEPWARM_AVX2" in cpu_linear.compile_flags("avx2")
+    assert not any(f.startswith("-mavx512") for f in cpu_linear.compile_flags("avx2"))
+    assert cpu_linear.compile_flags("avx512_bf16") == list(cpu_linear.CFLAGS)
+
+
 def test_cpu_without_the_feature_falls_back(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -77,7 +102,7 @@ def test_cpu_without_the_feature_falls_back(
     with caplog.at_level(logging.INFO, logger="keepwarm.kernels.cpu_linear"):
         k = cpu_linear.load(flags=frozenset({"avx512f", "avx512bw", "avx512vl"}))
     assert not k.available()
-    assert "avx512_bf16" in caplog.text
+    assert "avx512_bf16" in caplog.text and "avx2, fma, f16c" in caplog.text
     g = _gen(1)
     x, w, b = _rand((1, 100), g), _rand((17, 100), g), _rand((17,), g)
     assert not k.uses_kernel(x, w, b)
@@ -378,3 +403,41 @@ def test_tiled_path_exact_on_integer_data(kernel: CpuLinear, m: int) -> None:
     exact = (x.long() @ w.long().T + b.long()).double()
     assert torch.equal(kernel(x, w, b, out_dtype=torch.float32).double(), exact)
     assert torch.equal(kernel(x.float(), w.float(), b.float()).double(), exact)
+
+
+# --- the AVX2 build (the AVX-512 intrinsics emulated), on any CPU that runs it -----------
+
+
+@pytest.fixture(scope="module")
+def avx2_kernels() -> dict[str, CpuLinear]:
+    """The AVX2 build (the process's own on a CPU without AVX-512 BF16), bound in each form."""
+    if not all(f in cpu_linear.cpu_flags() for f in AVX2_FLAGS):
+        pytest.skip("CPU lacks avx2, fma or f16c: the AVX2 build cannot run")
+    ext = cpu_linear.build_extension(name=cpu_linear.extension_name(EXTENSION_NAME, "avx2"), isa="avx2")
+    probe = cpu_linear.probe_prefill(ext)
+    assert probe.exact, "the AVX2 build's two bf16 forms are the same FMAs: the probe must find them one"
+    bound = {}
+    for form in cpu_linear.PREFILL_FORMS:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(cpu_linear.PREFILL_FORM_ENV, form)
+            bound[form] = cpu_linear.bind(ext)
+    return bound
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+@pytest.mark.parametrize("k", [31, 576, 1027])
+def test_avx2_build_rows_are_one_result_for_every_row_count_and_form(
+    avx2_kernels: dict[str, CpuLinear], dtype: torch.dtype, k: int
+) -> None:
+    g = _gen(40 + k)
+    x = torch.randn(70, k, generator=g).to(dtype)
+    w, b = torch.randn(45, k, generator=g).to(dtype), torch.randn(45, generator=g).to(dtype)
+    want = avx2_kernels["dpbf16"](x, w, b, out_dtype=torch.float32)
+    ref = _ref64(x, w, b)
+    assert torch.allclose(want.double(), ref, rtol=1e-4, atol=1e-3 * k**0.5)
+    for kernel in avx2_kernels.values():
+        for m in (1, 3, 4, 16, 17, 70):
+            for out in (None, torch.float32):
+                full = kernel(x[:m], w, b, out_dtype=out)
+                assert torch.equal(full, want[:m].to(full.dtype)), (m, out)
+                assert torch.equal(kernel(x[:m], w, b, out_dtype=out, force_tiled=True), full), (m, out)

@@ -24,7 +24,7 @@ from tests.kernels.test_cpu_linear_prefill import _bits, _special_bf16
 
 needs_kernel = pytest.mark.skipif(
     not cpu_linear.available(),
-    reason="CPU lacks avx512_bf16 (or KEEPWARM_CPU_LINEAR=0): the kernel cannot run",
+    reason="CPU lacks avx512_bf16 and avx2/fma/f16c (or KEEPWARM_CPU_LINEAR=0): the kernel cannot run",
 )
 pytestmark = needs_kernel
 

@@ -20,7 +20,7 @@ from keepwarm.kernels.cpu_linear import PREFILL_FORM_ENV, STREAM_ROWS, CpuLinear
 
 needs_kernel = pytest.mark.skipif(
     not cpu_linear.available(),
-    reason="CPU lacks avx512_bf16 (or KEEPWARM_CPU_LINEAR=0): the kernel cannot run",
+    reason="CPU lacks avx512_bf16 and avx2/fma/f16c (or KEEPWARM_CPU_LINEAR=0): the kernel cannot run",
 )
 pytestmark = needs_kernel
 

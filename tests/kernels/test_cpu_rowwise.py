@@ -11,7 +11,10 @@ import torch.nn.functional as F
 
 from keepwarm.kernels import cpu_rowwise, reference
 
-pytestmark = pytest.mark.skipif(not cpu_rowwise.available(), reason="the CPU kernels need AVX-512 BF16")
+pytestmark = pytest.mark.skipif(
+    not cpu_rowwise.available(),
+    reason="the CPU kernels need AVX-512 BF16 or AVX2 + FMA (this CPU has neither, or the build failed)",
+)
 DTYPES = [torch.float32, torch.bfloat16]
 TORCH = {"sigmoid": torch.sigmoid, "silu": F.silu, "softplus": F.softplus}
 

@@ -20,7 +20,7 @@ from keepwarm.kernels.ops import TORCH_OPS, cpu_ops
 
 needs_kernels = pytest.mark.skipif(
     not all(m.available() for m in (cpu_linear, cpu_attention, cpu_rowwise, cpu_delta_rule)),
-    reason="the invariant CPU kernels need AVX-512 BF16",
+    reason="the invariant CPU kernels need AVX-512 BF16 or AVX2 + FMA (or the build failed)",
 )
 
 

@@ -185,7 +185,10 @@ def test_torch_tanh_gives_a_value_the_same_bits_at_any_offset_and_length() -> No
                 assert torch.equal(torch.tanh(x[off : off + n]), alone[off : off + n]), (dtype, n, off)
 
 
-@pytest.mark.skipif(cpu_ops().name != "cpu_invariant", reason="the invariant CPU kernels need AVX-512 BF16")
+@pytest.mark.skipif(
+    cpu_ops().name != "cpu_invariant",
+    reason="the invariant CPU kernels need AVX-512 BF16 or AVX2 + FMA + F16C",
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_router_weights_of_a_token_are_the_same_bits_alone_and_in_a_batch(
     tmp_path: Path, dtype: torch.dtype
