@@ -87,8 +87,10 @@ from keepwarm.api.chat_body import ChatBody, CompletionBody, DetokenizeBody, Tok
 from keepwarm.api.config import GatewayConfig
 from keepwarm.api.engines import EnginePool, Ticket
 from keepwarm.api.errors import ApiError, handle_exception, upstream_error
+from keepwarm.api.messages_api import routes as messages_routes
 from keepwarm.api.rate_limit import RateLimiter
 from keepwarm.api.record import RequestRecord
+from keepwarm.api.responses_api import routes as responses_routes
 from keepwarm.api.sessions import SessionStore, check_session_id
 from keepwarm.api.stats import StatsStore
 from keepwarm.api.tenant_keys import TenantKeys
@@ -770,6 +772,8 @@ def create_app(config: GatewayConfig) -> Litestar:
             session,
             cache,
             clear_cache,
+            *messages_routes(gw),
+            *responses_routes(gw),
         ],
         lifespan=[lifespan],
         exception_handlers={Exception: handle_exception},

@@ -41,19 +41,28 @@ class FuzzReport:
         )
 
 
-def error_shape_problem(status: int, content_type: str, content: bytes) -> str | None:
-    """Why an answer breaks the services' promises, or None."""
+def error_body(status: int, content_type: str, content: bytes) -> tuple[Any, str | None]:
+    """An error answer's JSON body, or why the answer breaks the services' promises (a 5xx, a
+    4xx that is not JSON); (None, None) for a success."""
     text = content[:300].decode(errors="replace")
     if status >= 500:
-        return f"HTTP {status}: {text}"
+        return None, f"HTTP {status}: {text}"
     if status < 400:
-        return None
+        return None, None
     if not content_type.startswith("application/json"):
-        return f"HTTP {status} with content-type {content_type!r}: {text}"
+        return None, f"HTTP {status} with content-type {content_type!r}: {text}"
     try:
-        body = json.loads(content)
+        return json.loads(content), None
     except ValueError:
-        return f"HTTP {status} with a body that is not JSON: {text}"
+        return None, f"HTTP {status} with a body that is not JSON: {text}"
+
+
+def error_shape_problem(status: int, content_type: str, content: bytes) -> str | None:
+    """Why an answer breaks the services' promises, or None."""
+    body, problem = error_body(status, content_type, content)
+    if body is None:
+        return problem
+    text = content[:300].decode(errors="replace")
     err = body.get("error") if isinstance(body, dict) else None
     if not (isinstance(body, dict) and set(body) == {"error"} and isinstance(err, dict)):
         return f"HTTP {status} not in the error shape: {text}"

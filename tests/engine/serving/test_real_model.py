@@ -141,7 +141,9 @@ def test_after_a_restart_the_disk_snapshot_gives_the_same_reply_bit_for_bit(
     ]
     replies = []
     for run in range(2):
-        proc = start_engine(smollm2_model, tmp_path / "cache", tmp_path / f"logs{run}", extra=["--dtype", dtype])
+        proc = start_engine(
+            smollm2_model, tmp_path / "cache", tmp_path / f"logs{run}", extra=["--dtype", dtype]
+        )
         try:
             replies.append(chat(proc, messages, max_tokens=24, logprobs=True, top_logprobs=3))
         finally:
