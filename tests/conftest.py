@@ -14,6 +14,29 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _hub_kernels_before_ours() -> None:
+    """transformers (>= 5.25) imports the Hugging Face `kernels` package when it is installed;
+    with the repository root on sys.path (pytest's `pythonpath`), the repository's own kernels/
+    folder (keepwarm.kernels) would be found under that name instead. The installed package is
+    imported first, from site-packages only, so `import kernels` means it for the whole run."""
+    import importlib
+    import sys
+
+    root = str(Path(__file__).resolve().parent.parent)
+    shadowing = [p for p in sys.path if p in ("", ".") or Path(p or ".").resolve() == Path(root)]
+    kept = list(sys.path)
+    sys.path[:] = [p for p in sys.path if p not in shadowing]
+    try:
+        importlib.import_module("kernels")
+    except ImportError:
+        pass  # no hub package: transformers does not look for one
+    finally:
+        sys.path[:] = kept
+
+
+_hub_kernels_before_ours()
+
+
 def _interpreter_dot_in_k_order() -> None:
     """Under TRITON_INTERPRET the interpreter computes `tl.dot` with numpy's matmul, whose
     per-element order depends on the BLAS's path for the tile's shape and a row's place in it

@@ -4,7 +4,10 @@ tensors under the Hugging Face names the model families load, dequantized on loa
 The mapping follows llama.cpp's converter in reverse (the same one transformers applies
 when it reads a GGUF): `blk.N.attn_q.weight` is `model.layers.N.self_attn.q_proj.weight`,
 and for the `llama` architecture the Q and K rows are permuted back from llama.cpp's
-interleaved-pair RoPE layout to the half-split layout the families rotate with.
+interleaved-pair RoPE layout to the half-split layout the families rotate with. A `qwen3moe`
+file's stacked experts `blk.N.ffn_gate_exps` / `ffn_up_exps` [E, I, hidden] read as one
+`model.layers.N.mlp.experts.gate_up_proj` [E, 2 I, hidden] (gate rows first, as transformers'
+Qwen2MoeTensorProcessor builds it), `ffn_down_exps` as `mlp.experts.down_proj`.
 
 Every `{arch}.*` metadata key is either honoured (mapped into the config), known not to
 change the computation, or refused with an error naming it; so is every tensor the family
@@ -26,7 +29,8 @@ from keepwarm.engine.loading.gguf_file import GgufError, GgufFile
 from keepwarm.engine.loading.tokenizer import Tokenizer
 
 # GGUF architecture -> config.json model_type
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
+_MOE_ARCHITECTURES = {"qwen3moe"}
 
 # {arch}.<key> -> config.json field
 _CONFIG_KEYS = {
@@ -40,6 +44,13 @@ _CONFIG_KEYS = {
     "rope.freq_base": "rope_theta",
     "vocab_size": "vocab_size",
     "attention.key_length": "head_dim",
+}
+# qwen3moe.<key> -> config.json field (transformers maps only the first two and leaves
+# moe_intermediate_size at Qwen3MoeConfig's default, 768; llama.cpp reads all three)
+_MOE_CONFIG_KEYS = {
+    "expert_count": "num_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
 }
 # {arch}.<key> read below, or that change nothing the engine computes
 _CHECKED_KEYS = {"rope.dimension_count", "attention.value_length", "rope.scaling.type", "rope.scaling.factor"}
@@ -61,6 +72,14 @@ _LAYER_TENSORS = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+_DENSE_FFN_TENSORS = {"ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"}
+# qwen3moe only: the router, and the experts stacked [E, ...] (gate and up read as one)
+_MOE_LAYER_TENSORS = {
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_up_proj",
+    "ffn_up_exps.weight": "mlp.experts.gate_up_proj",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
+}
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -68,12 +87,18 @@ _GLOBAL_TENSORS = {
 }
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, arch: str) -> str | None:
+    """The Hugging Face name `gguf_name` loads as, or None when the architecture has no such
+    tensor (a qwen3moe layer's MLP is its experts; the other architectures have none)."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
+    moe = arch in _MOE_ARCHITECTURES
+    names = {k: v for k, v in _LAYER_TENSORS.items() if not (moe and k in _DENSE_FFN_TENSORS)}
+    if moe:
+        names.update(_MOE_LAYER_TENSORS)
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}"
     return None
 
 
@@ -90,18 +115,22 @@ def config_from_metadata(gguf: GgufFile) -> dict[str, Any]:
     meta = gguf.metadata
     cfg: dict[str, Any] = {"model_type": model_type, "architectures": [f"{model_type}ForCausalLM"]}
     prefix = arch + "."
+    moe = arch in _MOE_ARCHITECTURES
+    config_keys = {**_CONFIG_KEYS, **_MOE_CONFIG_KEYS} if moe else _CONFIG_KEYS
     for key, value in meta.items():
         if not key.startswith(prefix):
             continue
         short = key[len(prefix) :]
-        if short in _CONFIG_KEYS:
-            cfg[_CONFIG_KEYS[short]] = value
+        if short in config_keys:
+            cfg[config_keys[short]] = value
         elif short not in _CHECKED_KEYS:
             raise CheckpointError(
                 f"{gguf.path}: metadata {key} = {value!r} is not supported by this engine's {arch} "
                 "loader (it may change the computation)"
             )
-    for need in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads"):
+    needed = ["num_hidden_layers", "hidden_size", "num_attention_heads"]
+    needed += list(_MOE_CONFIG_KEYS.values()) if moe else ["intermediate_size"]
+    for need in needed:
         if need not in cfg:
             raise CheckpointError(f"{gguf.path}: metadata {prefix}{_key_of(need)} is missing")
     cfg.setdefault("num_key_value_heads", cfg["num_attention_heads"])
@@ -147,11 +176,15 @@ def config_from_metadata(gguf: GgufFile) -> dict[str, Any]:
             cfg[tid] = meta[name]
     if arch == "qwen2":
         cfg["use_sliding_window"] = False
+    if moe:
+        # llama.cpp's qwen3moe graph: every layer sparse, the top-k weights renormalized
+        # (transformers' GGUF_CONFIG_DEFAULTS_MAPPING sets norm_topk_prob the same way)
+        cfg.update(decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
     return cfg
 
 
 def _key_of(field_name: str) -> str:
-    return next(k for k, v in _CONFIG_KEYS.items() if v == field_name)
+    return next(k for k, v in {**_CONFIG_KEYS, **_MOE_CONFIG_KEYS}.items() if v == field_name)
 
 
 @dataclass(frozen=True)
@@ -159,7 +192,8 @@ class GgufCheckpoint(Checkpoint):
     """`path` is the .gguf file; `name_to_file` maps each Hugging Face weight name to it."""
 
     gguf: GgufFile = field(default=None, repr=False)  # type: ignore[assignment]
-    hf_to_gguf: dict[str, str] = field(default_factory=dict, repr=False)
+    # each Hugging Face name's GGUF tensors: one, or the parts concatenated along dim 1
+    hf_to_gguf: dict[str, tuple[str, ...]] = field(default_factory=dict, repr=False)
 
     @property
     def weights_format(self) -> str:
@@ -196,13 +230,19 @@ class GgufCheckpoint(Checkpoint):
         return ChatTemplate(named["default"] if list(named) == ["default"] else named, tokenizer)
 
     def _read(self, name: str) -> tuple[torch.Tensor, str]:
-        src = self.hf_to_gguf.get(name)
-        if src is None:
+        parts = self.hf_to_gguf.get(name)
+        if parts is None:
             raise CheckpointError(f"{self.path}: weight {name!r} has no tensor in this GGUF file")
         try:
-            t = self.gguf.dequantize(src)
+            pieces = [self.gguf.dequantize(p) for p in parts]
         except GgufError as e:
             raise CheckpointError(str(e)) from e
+        if len({tuple(p.shape) for p in pieces}) != 1:
+            raise CheckpointError(
+                f"{self.path}: tensors {', '.join(parts)} (read together as {name!r}) differ in shape"
+            )
+        t = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+        src = " + ".join(parts)
         if self.model_type == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")) and t.dim() == 2:
             heads = (
                 self.config["num_attention_heads"] if "q_proj" in name else self.config["num_key_value_heads"]
@@ -228,13 +268,20 @@ def open_gguf(path: Path) -> GgufCheckpoint:
     except GgufError as e:
         raise CheckpointError(str(e)) from e
     config = config_from_metadata(gguf)
-    hf_to_gguf: dict[str, str] = {}
+    hf_to_gguf: dict[str, tuple[str, ...]] = {}
     for name in gguf.tensors:
-        hf = _hf_name(name)
+        hf = _hf_name(name, gguf.architecture)
         if hf is None:
             raise CheckpointError(
                 f"{path}: tensor {name!r} is not one this engine's {gguf.architecture} loader knows "
                 "(it would be ignored, changing the model)"
             )
-        hf_to_gguf[hf] = name
+        hf_to_gguf[hf] = (*hf_to_gguf.get(hf, ()), name)
+    for hf, parts in hf_to_gguf.items():
+        if hf.endswith("experts.gate_up_proj"):  # gate rows first, then up, both present
+            layer = hf.split(".")[2]
+            want = (f"blk.{layer}.ffn_gate_exps.weight", f"blk.{layer}.ffn_up_exps.weight")
+            if set(parts) != set(want):
+                raise CheckpointError(f"{path}: layer {layer} needs both {want[0]} and {want[1]}")
+            hf_to_gguf[hf] = want
     return GgufCheckpoint(path, config, dict.fromkeys(hf_to_gguf, path), gguf=gguf, hf_to_gguf=hf_to_gguf)

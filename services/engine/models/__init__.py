@@ -22,6 +22,7 @@ MODEL_TYPE_TO_FAMILY = {
     "llama": "dense",
     "qwen2": "dense",
     "qwen3": "dense",
+    "qwen3_moe": "dense",
     "qwen3_5_text": "qwen3_5",
     "qwen3_5": "qwen3_5",
     "qwen3_5_moe_text": "qwen3_5",

@@ -1,5 +1,7 @@
 """Dense attention family: llama, qwen2, qwen3 (GQA/MQA, RoPE with scaling,
-qk-norm for qwen3, q/k/v bias for qwen2, tied or untied embeddings).
+qk-norm for qwen3, q/k/v bias for qwen2, tied or untied embeddings), and qwen3_moe: qwen3's
+attention with a softmax top-k mixture of experts (models/moe.py) as the MLP of its sparse
+layers (transformers' Qwen3MoeForCausalLM).
 
 State per layer: preallocated K and V rows, `layers.{i}.k` / `layers.{i}.v`
 [capacity, num_kv_heads, head_dim] on the layer's stage device; a snapshot is the first
@@ -20,6 +22,7 @@ from keepwarm.engine.cache.snapshot import LOGITS, Geometry, Snapshot, SnapshotM
 from keepwarm.engine.cache.snapshot_file import Alloc
 from keepwarm.engine.loading.checkpoint import Checkpoint, CheckpointError
 from keepwarm.engine.models.backend import State
+from keepwarm.engine.models.moe import Moe, load_experts, moe
 from keepwarm.engine.models.placement import Placement
 from keepwarm.engine.models.rope import Rope, build_rope
 from keepwarm.kernels.ops import Ops
@@ -41,36 +44,76 @@ class DenseConfig:
     qkv_bias: bool = False  # q/k/v projections have a bias (qwen2 always; llama, qwen3: attention_bias)
     o_bias: bool = False  # o_proj has a bias (llama, qwen3: attention_bias)
     mlp_bias: bool = False  # gate/up/down have a bias (llama: mlp_bias)
+    # qwen3_moe: which layers' MLP is the mixture of experts, and its shape
+    sparse_layers: tuple[bool, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+
+    def is_sparse(self, i: int) -> bool:
+        return bool(self.sparse_layers) and self.sparse_layers[i]
 
     @staticmethod
     def from_dict(cfg: dict[str, Any]) -> DenseConfig:
         refuse_unsupported_fields(cfg)
         mt = cfg.get("model_type")
         attention_bias = bool(cfg.get("attention_bias", False))
+        moe = mt == "qwen3_moe"
         try:
             num_heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
+            num_layers = int(cfg["num_hidden_layers"])
             return DenseConfig(
                 model_type=str(cfg["model_type"]),
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
-                num_layers=int(cfg["num_hidden_layers"]),
+                # Qwen3MoeConfig's default when absent (a config of only sparse layers never reads it)
+                intermediate_size=int(
+                    cfg.get("intermediate_size", 6144) if moe else cfg["intermediate_size"]
+                ),
+                num_layers=num_layers,
                 num_heads=num_heads,
                 num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
                 head_dim=int(cfg.get("head_dim") or hidden // num_heads),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                qk_norm=cfg["model_type"] == "qwen3",
+                qk_norm=mt in ("qwen3", "qwen3_moe"),
                 qkv_bias=mt == "qwen2" or attention_bias,
                 o_bias=mt != "qwen2" and attention_bias,
                 mlp_bias=mt == "llama" and bool(cfg.get("mlp_bias", False)),
+                **(_moe_fields(cfg, num_layers) if moe else {}),
             )
         except KeyError as e:
             raise CheckpointError(f"config.json: required field {e.args[0]!r} is missing") from e
 
 
-# Every field of transformers' LlamaConfig, Qwen2Config and Qwen3Config, by what this
+def _moe_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """qwen3_moe's sparse layers as transformers' Qwen3MoeDecoderLayer picks them: layer i is
+    sparse unless listed in mlp_only_layers, when num_experts > 0 and (i + 1) is a multiple of
+    decoder_sparse_step (defaults: Qwen3MoeConfig's)."""
+    # transformers 5 saves num_experts as num_local_experts (its attribute_map), which wins over both
+    num_experts = int(cfg.get("num_local_experts", cfg.get("num_experts", 128)))
+    step = int(cfg.get("decoder_sparse_step", 1))
+    mlp_only = {int(i) for i in cfg.get("mlp_only_layers") or []}
+    if num_experts > 0 and step <= 0:
+        raise CheckpointError(f"config.json: decoder_sparse_step {step} must be a positive integer")
+    top_k = int(cfg.get("num_experts_per_tok", 8))
+    sparse = tuple(i not in mlp_only and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
+    if any(sparse) and not 1 <= top_k <= num_experts:
+        raise CheckpointError(
+            f"config.json: num_experts_per_tok {top_k} must be between 1 and num_experts {num_experts}"
+        )
+    return dict(
+        sparse_layers=sparse,
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=int(cfg.get("moe_intermediate_size", 768)),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+    )
+
+
+# Every field of transformers' LlamaConfig, Qwen2Config, Qwen3Config and Qwen3MoeConfig, by what this
 # family does with it (tests/engine/models/test_config_fields.py keeps the lists complete).
 HONOURED_FIELDS = frozenset(
     {
@@ -78,6 +121,8 @@ HONOURED_FIELDS = frozenset(
         "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "tie_word_embeddings",
         "rope_parameters", "rope_scaling", "rope_theta", "max_position_embeddings", "attention_bias",
         "mlp_bias", "hidden_act", "use_sliding_window", "sliding_window", "max_window_layers", "layer_types",
+        "decoder_sparse_step", "mlp_only_layers", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+        "norm_topk_prob", "num_local_experts",
     }
 )  # fmt: skip
 # Fields that do not change inference math (training, generation defaults, bookkeeping).
@@ -85,7 +130,7 @@ NO_MATH_FIELDS = frozenset(
     {
         "initializer_range", "use_cache", "pad_token_id", "bos_token_id", "eos_token_id",
         "attention_dropout", "pretraining_tp", "dtype", "torch_dtype", "transformers_version",
-        "architectures", "_name_or_path",
+        "architectures", "_name_or_path", "router_aux_loss_coef", "output_router_logits",
     }
 )  # fmt: skip
 
@@ -109,6 +154,10 @@ def refuse_unsupported_fields(cfg: dict[str, Any]) -> None:
         layer_types = [
             "sliding_attention" if windowed and i >= window_from else "full_attention" for i in range(n)
         ]
+    elif layer_types is None and mt == "qwen3_moe" and cfg.get("use_sliding_window"):
+        # transformers' Qwen3Moe: every layer slides when sliding_window is set (no max_window_layers)
+        windowed = cfg.get("sliding_window", 4096) is not None
+        layer_types = ["sliding_attention" if windowed else "full_attention" for _ in range(n)]
     if layer_types is not None and any(t != "full_attention" for t in layer_types):
         sliding = [i for i, t in enumerate(layer_types) if t != "full_attention"]
         raise CheckpointError(
@@ -131,10 +180,12 @@ class _Layer:
     w_o: torch.Tensor
     b_o: torch.Tensor | None
     post_norm: torch.Tensor
-    w_gate_up: torch.Tensor  # [2 I, hidden]: gate and up fused
+    # the MLP: dense (gate and up fused [2 I, hidden], down) or, on a qwen3_moe sparse layer, `moe`
+    w_gate_up: torch.Tensor | None
     b_gate_up: torch.Tensor | None
-    w_down: torch.Tensor
+    w_down: torch.Tensor | None
     b_down: torch.Tensor | None
+    moe: Moe | None = None
 
 
 class DenseBackend:
@@ -305,16 +356,21 @@ class DenseBackend:
         c, ops = self.cfg, self.ops
         x = x + ops.linear(attn.reshape(x.shape[0], c.num_heads * c.head_dim), layer.w_o, layer.b_o)
         h = ops.rms_norm(x, layer.post_norm, c.rms_norm_eps)
+        if layer.moe is not None:
+            return x + moe(layer.moe, h, ops)
+        assert layer.w_gate_up is not None and layer.w_down is not None
         gate, up = ops.linear(h, layer.w_gate_up, layer.b_gate_up).chunk(2, dim=-1)
         return x + ops.linear(ops.silu_mul(gate, up), layer.w_down, layer.b_down)
 
     # -- static decode (a CUDA graph captures it: generation/decode_graph.py) ---------
     def static_decode(self, max_context: int) -> bool:
         """Whether `decode_rows` can run here (the ops have address-table kernels, one
-        device); builds the RoPE tables for every position below `max_context` first, so a
-        captured step never sees them grow."""
+        device, no mixture of experts: its routing reads host values); builds the RoPE tables
+        for every position below `max_context` first, so a captured step never sees them grow."""
         ops = self.ops
         if ops.decode_attention_table is None or ops.write_rows is None:
+            return False
+        if any(layer.moe is not None for layer in self.layers):
             return False
         if len({self.placement.device_of(i) for i in range(self.cfg.num_layers)}) != 1:
             return False
@@ -409,9 +465,25 @@ def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype,
         w_qkv = torch.cat([wq, wk, wv], dim=0)
         del wq, wk, wv
         inter = cfg.intermediate_size
-        wg, wu = w(m + "gate_proj.weight", (inter, hid)), w(m + "up_proj.weight", (inter, hid))
-        w_gate_up = torch.cat([wg, wu], dim=0)
-        del wg, wu
+        sparse = cfg.is_sparse(i)
+        w_gate_up = w_down = None
+        layer_moe = None
+        if sparse:
+            e_n, e_i = cfg.num_experts, cfg.moe_intermediate_size
+            gate_up, down = load_experts(ckpt.has, w, m, e_n, e_i, hid)
+            layer_moe = Moe(
+                router=w(m + "gate.weight", (e_n, hid)),
+                gate_up=gate_up,
+                down=down,
+                top_k=cfg.num_experts_per_tok,
+                normalize=cfg.norm_topk_prob,
+            )
+            del gate_up, down
+        else:
+            wg, wu = w(m + "gate_proj.weight", (inter, hid)), w(m + "up_proj.weight", (inter, hid))
+            w_gate_up = torch.cat([wg, wu], dim=0)
+            del wg, wu
+            w_down = w(m + "down_proj.weight", (hid, inter))
         layers.append(
             _Layer(
                 input_norm=w(p + "input_layernorm.weight", (hid,)),
@@ -434,10 +506,11 @@ def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype,
                 post_norm=w(p + "post_attention_layernorm.weight", (hid,)),
                 w_gate_up=w_gate_up,
                 b_gate_up=torch.cat([w(m + "gate_proj.bias", (inter,)), w(m + "up_proj.bias", (inter,))])
-                if cfg.mlp_bias
+                if cfg.mlp_bias and not sparse
                 else None,
-                w_down=w(m + "down_proj.weight", (hid, inter)),
-                b_down=w(m + "down_proj.bias", (hid,)) if cfg.mlp_bias else None,
+                w_down=w_down,
+                b_down=w(m + "down_proj.bias", (hid,)) if cfg.mlp_bias and not sparse else None,
+                moe=layer_moe,
             )
         )
     device = placement.first

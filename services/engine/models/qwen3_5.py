@@ -36,6 +36,11 @@ import torch.nn.functional as F
 from keepwarm.engine.cache.snapshot import LOGITS, Geometry, Snapshot, SnapshotMismatch, TensorSpec
 from keepwarm.engine.loading.checkpoint import Checkpoint, CheckpointError
 from keepwarm.engine.models.backend import State
+from keepwarm.engine.models.moe import Mlp as _Mlp
+from keepwarm.engine.models.moe import Moe as _Moe
+from keepwarm.engine.models.moe import load_experts
+from keepwarm.engine.models.moe import mlp as _mlp
+from keepwarm.engine.models.moe import moe as _moe
 from keepwarm.engine.models.placement import Placement
 from keepwarm.engine.models.rope import Rope, build_rope
 from keepwarm.kernels.delta_rule import DeltaRuleOps
@@ -173,25 +178,6 @@ class _Attention:
     q_norm: torch.Tensor  # [D] float32, already 1 + weight
     k_norm: torch.Tensor  # [D] float32, already 1 + weight
     w_o: torch.Tensor  # [hidden, Hq D]
-
-
-@dataclass(frozen=True)
-class _Mlp:
-    w_gate_up: torch.Tensor  # [2 I, hidden]
-    w_down: torch.Tensor  # [hidden, I]
-
-
-@dataclass(frozen=True)
-class _Moe:
-    """Top-k softmax router (weights renormalized over the k), experts, and a shared
-    expert scaled by sigmoid(shared_gate . h)."""
-
-    router: torch.Tensor  # [E, hidden]
-    gate_up: torch.Tensor  # [E, 2 I, hidden]
-    down: torch.Tensor  # [E, hidden, I]
-    shared: _Mlp
-    shared_gate: torch.Tensor  # [1, hidden]
-    top_k: int
 
 
 @dataclass(frozen=True)
@@ -499,32 +485,6 @@ class _Step:
         )
 
 
-def _mlp(w: _Mlp, h: torch.Tensor, ops: Ops) -> torch.Tensor:
-    gate, up = ops.linear(h, w.w_gate_up).chunk(2, dim=-1)
-    return ops.linear(ops.silu_mul(gate, up), w.w_down)
-
-
-def _moe(w: _Moe, h: torch.Tensor, ops: Ops) -> torch.Tensor:
-    """h [T, hidden] -> [T, hidden], as transformers' Qwen3_5MoeSparseMoeBlock. Per token:
-    ties in the router go to the lowest expert id (ops.topk), the k weights are summed in
-    rank order, and experts add into the output in increasing id order."""
-    linear = ops.linear
-    router_logits = linear(h, w.router)  # [T, E]
-    probs = ops.softmax(router_logits.float(), -1)  # row-local, one summation order (GPU too)
-    top_w, top_i = ops.topk(probs, w.top_k)  # [T, k]
-    total = top_w[:, 0]
-    for j in range(1, w.top_k):  # elementwise adds: the same bits whatever T
-        total = total + top_w[:, j]
-    top_w = (top_w / total[:, None]).to(router_logits.dtype)
-    out = torch.zeros_like(h)
-    for e in top_i.unique().tolist():  # only the experts some token routed to
-        tok, slot = torch.where(top_i == e)
-        gate, up = linear(h[tok], w.gate_up[e]).chunk(2, dim=-1)
-        y = linear(ops.silu_mul(gate, up), w.down[e]) * top_w[tok, slot, None]
-        out.index_add_(0, tok, y.to(out.dtype))
-    return out + ops.sigmoid(linear(h, w.shared_gate)) * _mlp(w.shared, h, ops)
-
-
 def geometry_of(cfg: Qwen35Config, dtype: torch.dtype) -> Geometry:
     specs: list[TensorSpec] = []
     for i, kind in enumerate(cfg.layer_types):
@@ -618,21 +578,7 @@ def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype,
         mlp: _Mlp | _Moe
         if cfg.num_experts:
             e_n, e_i, s_i = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
-            if ckpt.has(prefix + mp + "experts.gate_up_proj"):  # fused layout (transformers' runtime form)
-                gate_up = w(mp + "experts.gate_up_proj", (e_n, 2 * e_i, hid))
-                down = w(mp + "experts.down_proj", (e_n, hid, e_i))
-            else:  # per-expert layout (the hub's and save_pretrained's form)
-                ex = [f"{mp}experts.{e}." for e in range(e_n)]
-                gate_up = torch.stack(
-                    [
-                        torch.cat(
-                            [w(x + "gate_proj.weight", (e_i, hid)), w(x + "up_proj.weight", (e_i, hid))],
-                            dim=0,
-                        )
-                        for x in ex
-                    ]
-                )
-                down = torch.stack([w(x + "down_proj.weight", (hid, e_i)) for x in ex])
+            gate_up, down = load_experts(lambda n: ckpt.has(prefix + n), w, mp, e_n, e_i, hid)
             mlp = _Moe(
                 router=w(mp + "gate.weight", (e_n, hid)),
                 gate_up=gate_up,

@@ -1,5 +1,6 @@
 """Small GGUF files written for tests: a transformers checkpoint's tensors under llama.cpp's
-names (Q/K rows permuted as llama.cpp's converter does for `llama`), its config as metadata."""
+names (Q/K rows permuted as llama.cpp's converter does for `llama`; a qwen3_moe layer's fused
+experts split into llama.cpp's stacked gate / up / down), its config as metadata."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ LAYER_NAMES = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.experts.down_proj": "ffn_down_exps.weight",
 }
 GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -78,6 +81,10 @@ def write_gguf(
         w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
     w.add_vocab_size(config["vocab_size"])
+    if arch == "qwen3moe":  # transformers 5 writes num_experts as num_local_experts
+        w.add_expert_count(int(config.get("num_local_experts") or config["num_experts"]))
+        w.add_expert_used_count(config["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(config["moe_intermediate_size"])
     for key, value in (extra or {}).items():
         if isinstance(value, bool):
             w.add_bool(key, value)
@@ -87,17 +94,26 @@ def write_gguf(
             w.add_float32(key, value)
         else:
             w.add_string(key, value)
+    named: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         t = t.float()
         if arch == "llama" and name.endswith("q_proj.weight"):
             t = permute_for_llama_cpp(t, config["num_attention_heads"])
         elif arch == "llama" and name.endswith("k_proj.weight"):
             t = permute_for_llama_cpp(t, config["num_key_value_heads"])
-        arr = np.ascontiguousarray(t.numpy())
-        if quant is not None and arr.ndim == 2:
-            w.add_tensor(gguf_name(name), gguf.quants.quantize(arr, quant), raw_dtype=quant)
+        if name.endswith("mlp.experts.gate_up_proj"):  # [E, 2 I, H]: gate rows, then up rows
+            layer = name.split(".")[2]
+            gate, up = t.chunk(2, dim=1)
+            named[f"blk.{layer}.ffn_gate_exps.weight"] = gate
+            named[f"blk.{layer}.ffn_up_exps.weight"] = up
         else:
-            w.add_tensor(gguf_name(name), arr)
+            named[gguf_name(name)] = t
+    for gname, t in named.items():
+        arr = np.ascontiguousarray(t.numpy())
+        if quant is not None and arr.ndim >= 2:  # stacked experts too, per row
+            w.add_tensor(gname, gguf.quants.quantize(arr, quant), raw_dtype=quant)
+        else:
+            w.add_tensor(gname, arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

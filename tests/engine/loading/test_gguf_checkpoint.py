@@ -1,15 +1,23 @@
 """GGUF files as checkpoints, against transformers reading the same file (`gguf_file=`, which
-dequantizes with the gguf package): tiny llama / qwen2 / qwen3 files written from transformers
-models, the real SmolLM2-135M-Instruct Q4_1 file, and every refusal by name."""
+dequantizes with the gguf package): tiny llama / qwen2 / qwen3 / qwen3moe files written from
+transformers models, the real SmolLM2-135M-Instruct Q4_1 file, and every refusal by name."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import gguf
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 from keepwarm.engine.cache.namespace import weights_fingerprint
 from keepwarm.engine.config import config_from
@@ -20,7 +28,8 @@ from keepwarm.kernels.ops import TORCH_OPS
 from tests.engine.loading.gguf_fixtures import smollm2_path, write_gguf
 
 CPU = torch.device("cpu")
-CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "qwen3moe": Qwen3MoeConfig}
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."}],
@@ -34,9 +43,17 @@ CHATS = [
 ]
 
 
-def tiny_model(arch: str, seed: int = 0) -> tuple[AutoModelForCausalLM, dict]:
+def tiny_model(arch: str, seed: int = 0) -> tuple[Any, dict]:
     # transformers reads a qwen3 GGUF's head_dim as the config default (128): keep that width
-    extra = {"head_dim": 128} if arch == "qwen3" else {}
+    extra: dict = {"head_dim": 128} if arch == "qwen3" else {}
+    if arch == "qwen3moe":
+        # transformers maps qwen3moe.attention.key_length to head_dim, but not
+        # expert_feed_forward_length: it keeps Qwen3MoeConfig's moe_intermediate_size (768),
+        # so the file is written at that width. Every layer sparse, renormalized top-2, as
+        # llama.cpp's graph (the only form a qwen3moe GGUF has).
+        extra = dict(
+            head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=768, norm_topk_prob=True
+        )
     cfg = CONFIGS[arch](
         vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, rms_norm_eps=1e-5, tie_word_embeddings=arch != "llama",
@@ -55,7 +72,7 @@ def tiny_model(arch: str, seed: int = 0) -> tuple[AutoModelForCausalLM, dict]:
     return model, {"config": cfg.to_dict(), "tensors": sd}
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3moe"])
 @pytest.mark.parametrize("quant", [None, gguf.GGMLQuantizationType.Q8_0])
 def test_tiny_files_match_transformers_reading_the_same_file(
     arch: str, quant: gguf.GGMLQuantizationType | None, tmp_path: Path
@@ -66,7 +83,7 @@ def test_tiny_files_match_transformers_reading_the_same_file(
         str(tmp_path), gguf_file="m.gguf", dtype=torch.float32
     ).eval()
     ckpt = open_checkpoint(path)
-    assert ckpt.model_type == arch and ckpt.weights_format == "gguf"
+    assert ckpt.model_type == MODEL_TYPES[arch] and ckpt.weights_format == "gguf"
     assert ckpt.config["tie_word_embeddings"] == (arch != "llama")
     ours = build_backend(ckpt, CPU, torch.float32, TORCH_OPS)
     ids = torch.randint(0, 300, (24,), generator=torch.Generator().manual_seed(1))
@@ -91,7 +108,7 @@ def smollm2() -> dict:
     return {"tok": tok, "oracle": oracle.eval(), "ours": ours}
 
 
-def _ids(tok: AutoTokenizer, chat: list[dict]) -> torch.Tensor:
+def _ids(tok: Any, chat: list[dict]) -> torch.Tensor:
     out = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     return out["input_ids"][0]
 
@@ -177,6 +194,21 @@ def test_unknown_tensor_is_refused_not_skipped(tmp_path: Path) -> None:
         del gguf_fixtures.GLOBAL_NAMES["extra.weight"]
     with pytest.raises(CheckpointError, match=r"rope_freqs.weight"):
         open_checkpoint(path)
+
+
+def test_qwen3moe_metadata_and_stacked_experts_map_and_a_dense_ffn_tensor_is_refused(tmp_path: Path) -> None:
+    _, parts = tiny_model("qwen3moe")
+    path = write_gguf(tmp_path / "m.gguf", "qwen3moe", parts["config"], parts["tensors"])
+    ckpt = open_checkpoint(path)
+    cfg = ckpt.config
+    assert (cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]) == (4, 2, 768)
+    assert cfg["norm_topk_prob"] is True and cfg["mlp_only_layers"] == [] and cfg["decoder_sparse_step"] == 1
+    gate_up = ckpt.load("model.layers.1.mlp.experts.gate_up_proj", None, CPU)
+    assert torch.equal(gate_up, parts["tensors"]["model.layers.1.mlp.experts.gate_up_proj"])
+    dense = {"model.layers.0.mlp.gate_proj.weight": torch.ones(96, 64)}
+    bad = write_gguf(tmp_path / "bad.gguf", "qwen3moe", parts["config"], {**parts["tensors"], **dense})
+    with pytest.raises(CheckpointError, match=r"tensor 'blk.0.ffn_gate.weight' is not one"):
+        open_checkpoint(bad)
 
 
 def test_a_folder_holding_one_gguf_is_that_model_and_two_are_refused(tmp_path: Path) -> None:
