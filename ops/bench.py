@@ -2,7 +2,8 @@
 
   ops/bench engine [--model DIR] [--json PATH]   prefill/decode vs transformers, memory roofline
   ops/bench cache  [--model DIR] [--json PATH]   cold vs warm TTFT (RAM, disk), restore bandwidth
-  ops/bench serve  [--model DIR] [--json PATH]   concurrent streams: decode scaling, multi-user chat TTFT
+  ops/bench serve  [--model DIR] [--json PATH]   concurrent streams: decode scaling, multi-user chat TTFT,
+                                                 agents in tool loops over a long system prompt
 
 Speed lives here, never in tests.
 """
@@ -307,7 +308,13 @@ def _percentile(xs: list[float], q: float) -> float:
 
 
 def _serve_engine(
-    model: Path, dtype: str, threads: int, cache_dir: Path | None, max_seqs: int, deterministic: bool = True
+    model: Path,
+    dtype: str,
+    threads: int,
+    cache_dir: Path | None,
+    max_seqs: int,
+    deterministic: bool = True,
+    max_context: int = 4096,
 ) -> Any:
     from keepwarm.engine.config import EngineConfig
     from keepwarm.engine.engine import Engine
@@ -317,7 +324,7 @@ def _serve_engine(
         dtype=dtype,
         num_threads=threads,
         cache_dir=cache_dir,
-        max_context=4096,
+        max_context=max_context,
         min_tokens=16,
         max_seqs=max_seqs,
         queue_size=64,
@@ -399,6 +406,113 @@ def _chat_ttfts(
     return first, ttfts
 
 
+AGENT_TOOLS = (
+    {"type": "function", "function": {"name": "read_file", "description": "Read a file of the project.",
+     "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}},
+    {"type": "function", "function": {"name": "search", "description": "Search the project's files.",
+     "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}},
+)  # fmt: skip
+
+
+def _agent_ttfts(
+    engine: Any, agents: int, steps: int, system: str, policy: str, reply_tokens: int, result_words: list[str]
+) -> list[list[float]]:
+    """`agents` tool loops at once over one long system prompt and the same tools: each step's
+    reply is followed by a tool call and its result (about 60 words), then the next step. The
+    call appended is a fixed one (a random or small model's own reply would not be a valid
+    call); the prompt grows by the call and the result every step, as an agent's does.
+    TTFTs (s) per step, per agent."""
+    from keepwarm.engine.cache.policy import parse_policy
+    from keepwarm.engine.generation.request import FinishEvent, GenerateRequest
+    from keepwarm.engine.generation.sampling import SamplingParams
+
+    history: list[list[dict[str, Any]]] = [
+        [{"role": "system", "content": system}, {"role": "user", "content": f"(agent {a}) Find the bug."}]
+        for a in range(agents)
+    ]
+    finished: list[tuple[int, FinishEvent]] = []
+    ttfts: list[list[float]] = [[] for _ in range(agents)]
+
+    def send(a: int) -> None:
+        req = GenerateRequest(
+            sampling=SamplingParams(max_tokens=reply_tokens, ignore_eos=True),
+            messages=tuple(history[a]),
+            tools=AGENT_TOOLS,
+            policy=parse_policy(policy),
+            cache_salt="bench",
+        )
+        engine.submit(req, lambda ev: finished.append((a, ev)) if isinstance(ev, FinishEvent) else None)
+
+    for a in range(agents):
+        send(a)
+    while engine.has_work():
+        engine.step()
+        while finished:
+            a, ev = finished.pop(0)
+            k = len(ttfts[a])
+            ttfts[a].append(ev.timings.ttft_ms / 1000)
+            call = {"id": f"call_{a}_{k}", "type": "function",
+                    "function": {"name": "read_file", "arguments": json.dumps({"path": f"src/part_{k}.py"})}}  # fmt: skip
+            start = (60 * (a * steps + k)) % max(1, len(result_words) - 60)
+            history[a] += [
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {
+                    "role": "tool",
+                    "tool_call_id": call["id"],
+                    "content": " ".join(result_words[start : start + 60]),
+                },
+            ]
+            if k + 1 < steps:
+                send(a)
+    return ttfts
+
+
+def bench_agents(
+    model: Path,
+    dtype: str,
+    threads: int,
+    system_tokens: int,
+    agents: int,
+    steps: int,
+    deterministic: bool = True,
+) -> dict[str, Any]:
+    """The agent workload: `agents` tool loops of `steps` steps at once, over a system prompt
+    of `system_tokens` (cut to what the model's context holds with the loop's growth), cache
+    off vs full. TTFT p50 over every step after the first, and of the first steps."""
+    from keepwarm.engine.loading.checkpoint import open_checkpoint
+
+    reply = 16
+    context = int(open_checkpoint(model).config.get("max_position_embeddings", 8192))
+    room = steps * (reply + 400) + 256  # each step adds a call, a result and a reply
+    system_tokens = max(256, min(system_tokens, context - room))
+    probe = _serve_engine(model, dtype, threads, None, max_seqs=agents, deterministic=deterministic)
+    try:
+        msgs = _long_messages(probe, system_tokens)
+    finally:
+        probe.close()
+    corpus = (Path(__file__).resolve().parent.parent / "services/engine/demo/data/corpus.txt").read_text()
+    words = corpus.split()[-20000:]  # tool results: text other than the system prompt's
+    out: dict[str, Any] = {"agents": agents, "agent_steps": steps, "agent_system_tokens": system_tokens}
+    for policy in ("full", "off"):
+        with tempfile.TemporaryDirectory(prefix="keepwarm-bench-") as tmp:
+            engine = _serve_engine(
+                model, dtype, threads, Path(tmp), max_seqs=agents, deterministic=deterministic,
+                max_context=context,
+            )  # fmt: skip
+            try:
+                ttfts = _agent_ttfts(engine, agents, steps, msgs[0]["content"], policy, reply, words)
+                prefilled = engine.stats.prefill_tokens
+            finally:
+                engine.close()
+        later = [t for per in ttfts for t in per[1:]]
+        out[f"agent_ttft_p50_{policy}"] = _percentile(later, 0.5)
+        out[f"agent_ttft_p90_{policy}"] = _percentile(later, 0.9)
+        out[f"agent_first_step_ttft_p50_{policy}"] = _percentile([per[0] for per in ttfts], 0.5)
+        out[f"agent_prefill_tokens_{policy}"] = prefilled
+    out["agent_ttft_off_over_full_p50"] = out["agent_ttft_p50_off"] / out["agent_ttft_p50_full"]
+    return out
+
+
 def _engine_worker(
     model: str, dtype: str, threads: int, streams: int, reply: int, barrier: Any, out: Any
 ) -> None:
@@ -444,7 +558,13 @@ def _two_engines_tok_s(model: Path, dtype: str, streams: int, reply: int) -> flo
 
 
 def bench_serve(
-    model: Path, dtype: str, threads: int, reply_tokens: int, system_tokens: int, deterministic: bool = True
+    model: Path,
+    dtype: str,
+    threads: int,
+    reply_tokens: int,
+    system_tokens: int,
+    deterministic: bool = True,
+    agents: tuple[int, int, int] = (12000, 4, 8),
 ) -> dict[str, Any]:
     out: dict[str, Any] = {
         "model": model_id(model),
@@ -485,6 +605,9 @@ def bench_serve(
     out["two_engines_over_one"] = out["two_engines_decode_tok_s_8"] / out["decode_tok_s_8"]
     out["ttft_off_over_full_p50"] = out["ttft_p50_off"] / out["ttft_p50_full"]
     out["ttft_p90_full_8_over_p50_full_1"] = out["ttft_p90_full"] / out["ttft_p50_full_1user"]
+    agent_system, n_agents, steps = agents
+    if n_agents > 0:
+        out.update(bench_agents(model, dtype, threads, agent_system, n_agents, steps, deterministic))
     out["load_average"] = os.getloadavg()
     return out
 
@@ -514,6 +637,14 @@ def main(argv: list[str] | None = None) -> int:
         "--reply-tokens", type=int, default=128, help="serve: tokens per reply in the decode figures"
     )
     p.add_argument("--system-tokens", type=int, default=1000, help="serve: the shared system prompt")
+    p.add_argument(
+        "--agent-system-tokens",
+        type=int,
+        default=12000,
+        help="serve: the agents' shared system prompt (cut to the model's context)",
+    )
+    p.add_argument("--agents", type=int, default=4, help="serve: agents at once (0: no agent workload)")
+    p.add_argument("--agent-steps", type=int, default=8, help="serve: tool-loop steps per agent")
     p.add_argument("--no-reference", action="store_true", help="engine: skip the transformers reference")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -527,7 +658,13 @@ def main(argv: list[str] | None = None) -> int:
         result = bench_cache(a.model, a.dtype, a.prompt_tokens, a.threads, a.deterministic == "true")
     else:
         result = bench_serve(
-            a.model, a.dtype, a.threads, a.reply_tokens, a.system_tokens, a.deterministic == "true"
+            a.model,
+            a.dtype,
+            a.threads,
+            a.reply_tokens,
+            a.system_tokens,
+            a.deterministic == "true",
+            (a.agent_system_tokens, a.agents, a.agent_steps),
         )
     text = json.dumps(result, indent=2)
     print(text)

@@ -33,12 +33,15 @@ def test_bench_serve_reports_every_figure_and_the_cache_saves_prefill(
     tiny_dense_model: Path, tmp_path: Path
 ) -> None:
     r = _bench(
-        tmp_path, "serve", "--model", str(tiny_dense_model), "--reply-tokens", "8", "--system-tokens", "200"
-    )
+        tmp_path, "serve", "--model", str(tiny_dense_model), "--reply-tokens", "8", "--system-tokens", "200",
+        "--agents", "2", "--agent-steps", "3", "--agent-system-tokens", "300",
+    )  # fmt: skip
     for key in (
         "decode_tok_s_1", "decode_tok_s_4", "decode_tok_s_8", "decode_scaling_8", "ttft_p50_full_1user",
         "ttft_p50_full", "ttft_p90_full", "ttft_p50_off", "ttft_p90_off", "ttft_first_turn_p50_full",
         "two_engines_decode_tok_s_8", "ttft_off_over_full_p50", "ttft_p90_full_8_over_p50_full_1",
+        "agent_ttft_p50_off", "agent_ttft_p50_full", "agent_ttft_p90_full", "agent_first_step_ttft_p50_full",
+        "agent_ttft_off_over_full_p50",
     ):  # fmt: skip
         assert isinstance(r[key], float) and r[key] > 0, key
     assert r["decode_scaling_8"] == r["decode_tok_s_8"] / r["decode_tok_s_1"]
@@ -48,6 +51,11 @@ def test_bench_serve_reports_every_figure_and_the_cache_saves_prefill(
     assert r["prefill_tokens_full"] < 200 + 32 * 60
     assert r["prefill_tokens_off"] > 32 * 200
     assert r["deterministic"] is True
+    # 2 agents x 3 steps over a 300-token system prompt and the tools: `off` prefills every
+    # step's whole prompt, `full` the shared prefix once and then each step's call and result
+    assert (r["agents"], r["agent_steps"], r["agent_system_tokens"]) == (2, 3, 300)
+    assert r["agent_prefill_tokens_off"] > 2 * 3 * 300
+    assert r["agent_prefill_tokens_full"] < r["agent_prefill_tokens_off"] / 2
 
 
 def test_bench_cache_warm_answers_equal_the_cold_one(tiny_dense_model: Path, tmp_path: Path) -> None:
