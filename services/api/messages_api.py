@@ -340,6 +340,16 @@ def _message_id() -> str:
     return "msg_" + secrets.token_hex(12)
 
 
+def stop_reason_of(finish_reason: Any, stop: str | None, tool_call: bool) -> str:
+    """Anthropic's stop_reason: tool_use when the reply called a tool, stop_sequence when one of
+    the request's stop_sequences ended it, else the finish reason's (end_turn, max_tokens)."""
+    if tool_call:
+        return "tool_use"
+    if stop is not None and finish_reason == "stop":
+        return "stop_sequence"
+    return _STOP_REASONS.get(str(finish_reason), "end_turn")
+
+
 def from_chat(data: dict[str, Any], model: str, cache_control: bool) -> dict[str, Any]:
     """An engine chat.completion as an Anthropic Message."""
     choice, msg = chat_bridge.first_choice(data)
@@ -352,7 +362,8 @@ def from_chat(data: dict[str, Any], model: str, cache_control: bool) -> dict[str
         content.append({"type": "tool_use", "id": c.get("id") or "toolu_" + secrets.token_hex(12),
                         "name": fn.get("name", ""),
                         "input": chat_bridge.parse_arguments(chat_bridge.arguments_of(c))})  # fmt: skip
-    reason = "tool_use" if calls else _STOP_REASONS.get(str(choice.get("finish_reason")), "end_turn")
+    stop = choice.get("stop_reason") if isinstance(choice.get("stop_reason"), str) else None
+    reason = stop_reason_of(choice.get("finish_reason"), stop, bool(calls))
     return {
         "id": _message_id(),
         "type": "message",
@@ -360,7 +371,7 @@ def from_chat(data: dict[str, Any], model: str, cache_control: bool) -> dict[str
         "model": data.get("model") or model,
         "content": content,
         "stop_reason": reason,
-        "stop_sequence": None,
+        "stop_sequence": stop if reason == "stop_sequence" else None,
         "usage": usage_of(data.get("usage"), cache_control),
     }
 
@@ -378,6 +389,7 @@ async def events_of(
     index = -1
     open_kind: str | None = None
     finish: str | None = None
+    stop: str | None = None
     usage: Any = None
     saw_call = False
     try:
@@ -423,11 +435,14 @@ async def events_of(
                                   "delta": {"type": "input_json_delta", "partial_json": args}})  # fmt: skip
                 if choice.get("finish_reason"):
                     finish = choice["finish_reason"]
+                    if isinstance(choice.get("stop_reason"), str):
+                        stop = choice["stop_reason"]
         if open_kind is not None:
             yield sse("content_block_stop", {"type": "content_block_stop", "index": index})
-        reason = "tool_use" if saw_call else _STOP_REASONS.get(str(finish), "end_turn")
+        reason = stop_reason_of(finish, stop, saw_call)
         yield sse("message_delta", {"type": "message_delta",
-                                    "delta": {"stop_reason": reason, "stop_sequence": None},
+                                    "delta": {"stop_reason": reason,
+                                              "stop_sequence": stop if reason == "stop_sequence" else None},
                                     "usage": usage_of(usage, cache_control)})  # fmt: skip
         yield sse("message_stop", {"type": "message_stop"})
     finally:

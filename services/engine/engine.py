@@ -643,6 +643,7 @@ class Engine:
             key,
             len(seq.tokens) if key else 0,
             seq.choice,
+            seq.stopper.matched,
         )
 
     def save_points(self, policy: Policy, salt: str, prompt: Prompt, restored: int) -> list[int]:

@@ -53,6 +53,22 @@ def test_create_answers_in_text(client: Any) -> None:
     assert r.usage.output_tokens > 0 and _input(r.usage) > 0
 
 
+def test_a_stop_sequence_is_named_as_the_stop_reason(client: Any) -> None:
+    """At temperature 0 the model answers 'The capital of France is Paris.': stopped at
+    'Paris', the text ends before it and the stop names it, streamed or not."""
+    ask = dict(model=MODEL, max_tokens=32, extra_body=T0, stop_sequences=["Mars", "Paris"],
+               messages=[{"role": "user", "content": "What is the capital of France?"}])  # fmt: skip
+    r = client.messages.create(**ask)
+    assert (r.stop_reason, r.stop_sequence) == ("stop_sequence", "Paris")
+    assert r.content[0].text.endswith("is ") and "Paris" not in r.content[0].text
+    with client.messages.stream(**ask) as s:
+        final = s.get_final_message()
+    assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", "Paris")
+    assert final.content[0].text == r.content[0].text
+    plain = client.messages.create(**{**ask, "stop_sequences": ["Mars"]})
+    assert (plain.stop_reason, plain.stop_sequence) == ("end_turn", None)
+
+
 def test_stream_event_sequence(stack: GatewayStack, client: Any) -> None:
     with client.messages.stream(model=MODEL, max_tokens=24, extra_body=T0,
                                 messages=[{"role": "user", "content": "Say hello."}]) as s:  # fmt: skip

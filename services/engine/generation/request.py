@@ -142,3 +142,4 @@ class FinishEvent:
     prefix_key: str | None = None  # deepest key this request leaves for the session (continued checkpoint)
     prefix_tokens: int = 0
     index: int = 0  # the choice (n > 1); usage counts every choice's tokens on its own event
+    stop: str | None = None  # the stop string that ended the reply (finish_reason "stop")

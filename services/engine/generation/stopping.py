@@ -27,14 +27,16 @@ class StopChecker:
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.text = ""  # the whole reply so far (cut at a stop string)
         self.emitted = 0  # characters of `text` already streamed
+        self.matched: str | None = None  # the stop string that ended the reply
 
     def push(self, token: int) -> tuple[str, bool]:
         """Account one sampled token: (text that may be streamed now, stopped?)."""
         if token in self.stop_token_ids:
             return "", True
         self.text += self.stream.push(token)
-        cut = find_stop(self.text, self.stop, self.emitted)
-        if cut is not None:
+        found = find_stop(self.text, self.stop, self.emitted)
+        if found is not None:
+            cut, self.matched = found
             self.text = self.text[:cut]
             out = self.text[self.emitted :] if cut > self.emitted else ""
             self.emitted = max(self.emitted, cut)
@@ -56,14 +58,15 @@ class StopChecker:
         return out
 
 
-def find_stop(text: str, stops: Sequence[str], emitted: int) -> int | None:
-    """Index where the earliest stop string starts in `text`, searching only where
-    a new match can be (from just before `emitted`)."""
-    best = None
+def find_stop(text: str, stops: Sequence[str], emitted: int) -> tuple[int, str] | None:
+    """Index where the earliest stop string starts in `text`, and that string (the first
+    listed of those starting there), searching only where a new match can be (from just
+    before `emitted`)."""
+    best: tuple[int, str] | None = None
     for s in stops:
         if not s:
             continue
         i = text.find(s, max(0, emitted - len(s) + 1))
-        if i >= 0 and (best is None or i < best):
-            best = i
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, s)
     return best

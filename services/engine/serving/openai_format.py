@@ -491,6 +491,7 @@ def completion_body(
                 message=parser.message(),
                 finish_reason=parser.finish_reason(fin.finish_reason),
                 logprobs=lps,
+                stop_reason=wire.UNSET if fin.stop is None else fin.stop,
             )
         )
     first = finishes[0]
@@ -530,7 +531,9 @@ class ChunkWriter:
         self.finishes: list[FinishEvent] = []
         self.pending: dict[int, list[wire.TokenLogprob]] = {}  # logprobs of text not sent yet
 
-    def _chunk(self, delta: wire.Delta, finish: str | None = None, index: int = 0) -> bytes:
+    def _chunk(
+        self, delta: wire.Delta, finish: str | None = None, index: int = 0, stop: str | None = None
+    ) -> bytes:
         lps = self.pending.pop(index, None)
         return wire.encode(
             wire.ChatCompletionChunk(
@@ -543,6 +546,7 @@ class ChunkWriter:
                         delta=delta,
                         finish_reason=finish,
                         logprobs=wire.ChoiceLogprobs(content=lps) if lps else None,
+                        stop_reason=wire.UNSET if stop is None else stop,
                     )
                 ],
             )
@@ -577,7 +581,9 @@ class ChunkWriter:
         delta = parser.finish()
         if delta is not None:
             out.append(self._chunk(delta, index=ev.index))
-        out.append(self._chunk(wire.Delta(), parser.finish_reason(ev.finish_reason), index=ev.index))
+        out.append(
+            self._chunk(wire.Delta(), parser.finish_reason(ev.finish_reason), index=ev.index, stop=ev.stop)
+        )
         self.finishes.append(ev)
         if self.include_usage and len(self.finishes) == len(self.parsers):
             first = min(self.finishes, key=lambda f: f.index)

@@ -387,6 +387,8 @@ class Choice(Struct):
     message: AssistantMessage
     finish_reason: str
     logprobs: ChoiceLogprobs | None = None
+    # as vLLM's: the stop string (of the request's `stop`) that ended the reply; absent otherwise
+    stop_reason: str | UnsetType = UNSET
 
 
 class ChatCompletion(Struct):
@@ -423,6 +425,7 @@ class ChunkChoice(Struct):
     delta: Delta
     finish_reason: str | None = None
     logprobs: ChoiceLogprobs | None = None
+    stop_reason: str | UnsetType = UNSET  # on the finishing chunk, as Choice.stop_reason
 
 
 class ChatCompletionChunk(Struct):

@@ -80,7 +80,11 @@ def test_a_factual_question_is_answered_and_the_next_turn_restores_it(engine: Pr
     first = chat(engine, messages)
     answer = first["choices"][0]["message"]["content"]
     assert first["choices"][0]["finish_reason"] == "stop"
+    assert "stop_reason" not in first["choices"][0]  # ended by its end-of-turn token
     assert answer == "The capital of France is Paris."
+    cut = chat(engine, messages, stop=["Rome", "Paris"])["choices"][0]
+    assert (cut["message"]["content"], cut["finish_reason"]) == ("The capital of France is ", "stop")
+    assert cut["stop_reason"] == "Paris"  # the stop string that ended it, as vLLM names it
     again = chat(engine, messages)
     assert again["choices"][0]["message"]["content"] == answer
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == again["usage"]["prompt_tokens"]
