@@ -470,8 +470,8 @@ def anthropic_error(request: Request[Any, Any, Any], exc: Exception) -> Response
                     headers=headers)  # fmt: skip
 
 
-def routes(gw: Gateway, include_in_schema: bool = False) -> list[HTTPRouteHandler]:
-    """The routes; kept out of the gateway's /schema for now (agent_schema documents them)."""
+def routes(gw: Gateway) -> list[HTTPRouteHandler]:
+    """The routes, documented in the gateway's /schema."""
 
     async def admit(request: Request[Any, Any, Any]) -> None:
         """x-api-key or Authorization: Bearer -> the caller (401), then its rate limit (429)."""
@@ -489,7 +489,7 @@ def routes(gw: Gateway, include_in_schema: bool = False) -> list[HTTPRouteHandle
     handlers: dict[int | type[Exception], Any] = {Exception: anthropic_error}
 
     @post("/v1/messages", status_code=200, before_request=admit, dto=MessagesBody, return_dto=None,
-          responses=errors, exception_handlers=handlers, include_in_schema=include_in_schema)  # fmt: skip
+          responses=errors, exception_handlers=handlers)  # fmt: skip
     async def messages(request: Request[Any, Any, Any], data: MessagesRequest | None = None) -> Response[Any]:
         """Anthropic Messages (SSE events with `stream: true`), on the Chat Completions path."""
         if data is None:
@@ -508,7 +508,7 @@ def routes(gw: Gateway, include_in_schema: bool = False) -> list[HTTPRouteHandle
                         media_type="application/json")  # fmt: skip
 
     @post("/v1/messages/count_tokens", status_code=200, before_request=admit, dto=CountTokensBody,
-          return_dto=None, responses=errors, exception_handlers=handlers, include_in_schema=include_in_schema)  # fmt: skip
+          return_dto=None, responses=errors, exception_handlers=handlers)  # fmt: skip
     async def count_tokens(
         request: Request[Any, Any, Any], data: CountTokensRequest | None = None
     ) -> dict[str, int]:

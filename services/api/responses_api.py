@@ -487,8 +487,8 @@ async def events_of(
 # --- the routes -----------------------------------------------------------------------------
 
 
-def routes(gw: Gateway, include_in_schema: bool = False) -> list[HTTPRouteHandler]:
-    """The routes; kept out of the gateway's /schema for now (agent_schema documents them)."""
+def routes(gw: Gateway) -> list[HTTPRouteHandler]:
+    """The routes, documented in the gateway's /schema."""
     store = Store(gw)
 
     async def admit(request: Request[Any, Any, Any]) -> None:
@@ -497,7 +497,7 @@ def routes(gw: Gateway, include_in_schema: bool = False) -> list[HTTPRouteHandle
         request.state.caller = caller
 
     @post("/v1/responses", status_code=200, before_request=admit, dto=ResponsesBody, return_dto=None,
-          responses=wire.error_responses(400, 401, 404, 413, 429, 503), include_in_schema=include_in_schema)  # fmt: skip
+          responses=wire.error_responses(400, 401, 404, 413, 429, 503))  # fmt: skip
     async def create(request: Request[Any, Any, Any], data: ResponsesRequest | None = None) -> Response[Any]:
         """OpenAI Responses (SSE events with `stream: true`), on the Chat Completions path."""
         if data is None:
@@ -531,7 +531,6 @@ def routes(gw: Gateway, include_in_schema: bool = False) -> list[HTTPRouteHandle
     @get(
         "/v1/responses/{response_id:str}",
         responses=wire.error_responses(401, 404, 503),
-        include_in_schema=include_in_schema,
     )
     async def retrieve(request: Request[Any, Any, Any], response_id: str) -> dict[str, Any]:
         """A stored response of the caller's tenant."""
@@ -544,7 +543,6 @@ def routes(gw: Gateway, include_in_schema: bool = False) -> list[HTTPRouteHandle
         "/v1/responses/{response_id:str}",
         status_code=200,
         responses=wire.error_responses(401, 404, 503),
-        include_in_schema=include_in_schema,
     )
     async def remove(request: Request[Any, Any, Any], response_id: str) -> dict[str, Any]:
         """Deletes a stored response of the caller's tenant."""

@@ -2,7 +2,9 @@
 every operation, with bodies, query and path values generated from the schema
 (POSITIVE: fitting it; NEGATIVE: violating it), each answer checked for the two
 promises every keepwarm service makes: no 5xx, and every error in the one shape
-    {"error": {"message": str, "type": str, "param": str | null, "code": <the status>}}.
+    {"error": {"message": str, "type": str, "param": str | null, "code": <the status>}},
+except the gateway's Anthropic Messages routes (/v1/messages...), whose errors come in
+Anthropic's envelope {"type": "error", "error": {"type": str, "message": str}}.
 
 Failures are collected, not raised inside Hypothesis (no shrinking: the first
 failing input of each kind is reported as sent), so one run states them all.
@@ -77,6 +79,25 @@ def error_shape_problem(status: int, content_type: str, content: bytes) -> str |
     return None
 
 
+def anthropic_shape_problem(status: int, content_type: str, content: bytes) -> str | None:
+    """Why an answer of the Messages API breaks its promises (Anthropic's envelope), or None."""
+    body, problem = error_body(status, content_type, content)
+    if body is None:
+        return problem
+    text = content[:300].decode(errors="replace")
+    err = body.get("error") if isinstance(body, dict) else None
+    if not (isinstance(body, dict) and body.get("type") == "error" and isinstance(err, dict)):
+        return f"HTTP {status} not in Anthropic's envelope: {text}"
+    if set(err) != {"type", "message"} or not (isinstance(err["message"], str) and err["message"]):
+        return f"HTTP {status} error fields {sorted(err)}: {text}"
+    return None
+
+
+def problem_check(path: str) -> Any:
+    """The error-shape check for an operation's answers."""
+    return anthropic_shape_problem if path.startswith("/v1/messages") else error_shape_problem
+
+
 def _describe(case: Any) -> str:
     body = case.body if not isinstance(case.body, (bytes, bytearray)) else case.body[:300]
     try:
@@ -125,7 +146,7 @@ def _run(op: Any, mode: GenerationMode, base_url: str, headers: dict[str, str], 
         report.calls += 1
         report.statuses[resp.status_code] += 1
         report.by_operation[label] = report.by_operation.get(label, 0) + 1
-        problem = error_shape_problem(
+        problem = problem_check(op.path)(
             resp.status_code, (resp.headers.get("content-type") or [""])[0], resp.content
         )
         kind = problem.split(":", 1)[0] if problem else ""

@@ -1,6 +1,7 @@
 """Schemathesis against the gateway's OpenAPI document, with a real engine behind it
-(real processes on loopback): every operation, generated inputs fitting and
-violating the schema, no 5xx and every error in the one JSON error shape."""
+(real processes on loopback): every operation (the agent APIs, Responses and Anthropic
+Messages, among them), generated inputs fitting and violating the schema, no 5xx and every
+error in the one JSON error shape (Anthropic's envelope on the Messages routes)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,22 @@ def test_the_gateway_documents_typed_bodies_and_the_error_shape(gateway: Proc) -
         assert answer["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorBody"}
     card = doc["components"]["schemas"]["ModelCard"]
     assert {"id", "created", "owned_by", "max_model_len"} <= set(card["required"])
+    # the agent APIs, with closed bodies and each API's error envelope
+    assert {
+        "/v1/responses",
+        "/v1/responses/{response_id}",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+    } <= set(paths)
+    assert set(paths["/v1/responses/{response_id}"]) == {"get", "delete"}
+    schemas = doc["components"]["schemas"]
+    assert schemas["ResponsesRequest"]["additionalProperties"] is False
+    assert schemas["MessagesRequest"]["additionalProperties"] is False
+    assert set(schemas["MessagesRequest"]["required"]) == {"model", "messages", "max_tokens"}
+    errors = paths["/v1/messages"]["post"]["responses"]["400"]["content"]["application/json"]["schema"]
+    assert errors == {"$ref": "#/components/schemas/AnthropicErrorBody"}
+    errors = paths["/v1/responses"]["post"]["responses"]["400"]["content"]["application/json"]["schema"]
+    assert errors == {"$ref": "#/components/schemas/ErrorBody"}
 
 
 def test_schemathesis_finds_no_5xx_and_only_the_error_shape(gateway: Proc) -> None:
@@ -35,7 +52,12 @@ def test_schemathesis_finds_no_5xx_and_only_the_error_shape(gateway: Proc) -> No
     report = fuzz(gateway.url, ALPHA, examples=25)
     print("gateway:", report.summary())
     assert not report.failures, "\n".join(report.failures)
-    # Every documented operation in both modes (but NEGATIVE for those with no inputs to break).
-    assert len(report.by_operation) + len(report.no_cases) == 2 * 11
+    # Every documented operation in both modes (but NEGATIVE for those with no inputs to break):
+    # 11 of chat, completions, tokens, models, sessions, cache, health; 5 of the agent APIs
+    assert len(report.by_operation) + len(report.no_cases) == 2 * 16
+    assert {label.rsplit(" ", 1)[0] for label in report.by_operation} >= {
+        "POST /v1/responses", "GET /v1/responses/{response_id}", "DELETE /v1/responses/{response_id}",
+        "POST /v1/messages", "POST /v1/messages/count_tokens",
+    }  # fmt: skip
     assert all(label.endswith(" negative") for label in report.no_cases)
     assert report.statuses[200] > 0 and sum(n for s, n in report.statuses.items() if 400 <= s < 500) > 0
