@@ -255,7 +255,7 @@ def engine_cache_dir(engine: Proc) -> Path:
 
 def wait_snapshot_file(cache_dir: Path, key: str, timeout: float = 30.0) -> Path:
     """The disk-cache file of `key` (<cache_dir>/<namespace>/<key[:2]>/<key>.safetensors,
-    DESIGN.md §2.3) once the engine's background writer has renamed it into place."""
+    docs/architecture.md, 'Disk tier') once the engine's background writer has renamed it into place."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         found = list(cache_dir.glob(f"*/{key[:2]}/{key}.safetensors"))

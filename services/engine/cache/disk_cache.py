@@ -1,4 +1,4 @@
-"""The persistent prefix cache: snapshot files under one folder (DESIGN.md §2.4).
+"""The persistent prefix cache: snapshot files under one folder (docs/architecture.md, 'Disk tier').
 
 Layout: `<root>/<namespace>/<key[:2]>/<key>.safetensors` (snapshot_file.py), and
 `<root>/index.sqlite3`, the index shared by every process on the folder (index.py).
@@ -98,7 +98,7 @@ log = logging.getLogger(__name__)
 HALF_LIFE_S = 6 * 3600.0
 FLOOR_FRACTION = 0.05  # default free-space floor: this share of the volume ...
 FLOOR_CAP = 1 << 30  # ... at most this many bytes
-_NAMESPACE_FILES = ("prefill_cost.json", "hits.log", "hits.lock")  # ours, not snapshots
+_NAMESPACE_FILES = ("prefill_cost.json",)  # ours, not snapshots (generation/prefill_cost.py)
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
 _ENOSPC_RETRIES = 3

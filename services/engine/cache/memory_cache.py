@@ -1,4 +1,4 @@
-"""The RAM tier: an LRU of snapshots in front of the disk cache (DESIGN.md §2.4).
+"""The RAM tier: an LRU of snapshots in front of the disk cache (docs/architecture.md, 'RAM tier').
 
 Keys are the same prefix keys as on disk (namespace.prefix_key), values the key's
 token ids and a snapshot that aliases no live state. The budget counts snapshot

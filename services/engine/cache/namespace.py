@@ -116,7 +116,7 @@ def namespace_id(
     layout_id: str,
     weights_format: str,
 ) -> str:
-    """32 hex naming everything a snapshot's bytes depend on (DESIGN.md §2.3)."""
+    """32 hex naming everything a snapshot's bytes depend on (docs/architecture.md, 'Namespaces and keys')."""
     fields = {
         "format_version": int(format_version),
         "family": family,

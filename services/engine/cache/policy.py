@@ -1,4 +1,4 @@
-"""Prefix-cache policies: `off`, `full`, `auto[:W]`, `N` (DESIGN.md §2.4)."""
+"""Prefix-cache policies: `off`, `full`, `auto[:W]`, `N` (docs/architecture.md, 'Cache policies')."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from keepwarm.engine.cache.disk_cache import DiskCache
 from keepwarm.engine.cache.memory_cache import MemoryCache
 from keepwarm.engine.cache.namespace import prefix_key, prefix_keys
 from keepwarm.engine.cache.snapshot import Snapshot
-from keepwarm.engine.cache.snapshot_file import Alloc, SnapshotFileError, read_tokens
+from keepwarm.engine.cache.snapshot_file import Alloc
 
 
 @dataclass(frozen=True)
@@ -216,10 +216,7 @@ class PrefixCache:
             if found is not None:
                 return found
         if self.disk is not None:
-            try:
-                return read_tokens(self.disk.path_for(key), namespace=self.namespace, key=key)
-            except (OSError, SnapshotFileError):
-                return None
+            return self.disk.stored_tokens(key)  # the no-follow walk below the cache root
         return None
 
 

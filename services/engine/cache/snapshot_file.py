@@ -1,4 +1,5 @@
-"""One snapshot on disk: a plain safetensors file with keepwarm metadata (DESIGN.md §2.3).
+"""One snapshot on disk: a plain safetensors file with keepwarm metadata
+(docs/architecture.md, 'Snapshot file format').
 
 Layout (standard safetensors, readable by `safetensors.safe_open`):
 

@@ -1,4 +1,4 @@
-"""The contract every model family implements (DESIGN.md §2.2).
+"""The contract every model family implements (docs/architecture.md, 'The backend contract').
 
 The runner owns chunking and snapshot points; a backend only advances a state
 by some tokens and moves state in and out of snapshots.

@@ -1,4 +1,4 @@
-"""Which device runs each layer (DESIGN.md §2.5): contiguous layer ranges, one per stage.
+"""Which device runs each layer (docs/architecture.md, 'Layer split'): contiguous layer ranges, one per stage.
 
 `--layer-split cuda:0:0-23,cuda:1:24-47` names each stage's device and layers (inclusive
 ranges); a bare device list such as `cpu,cpu` or `cuda:0,cuda:1` splits the layers evenly

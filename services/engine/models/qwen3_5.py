@@ -6,7 +6,7 @@ Loads `qwen3_5_text` / `qwen3_5_moe_text` checkpoints (ForCausalLM: `model.layer
 `qwen3_5` / `qwen3_5_moe` ones (ForConditionalGeneration: config under `text_config`,
 weights under `model.language_model.*`; the vision tower and `mtp.*` weights are ignored).
 
-State, by canonical name (DESIGN.md §2.2):
+State, by canonical name (docs/architecture.md, 'The backend contract'):
   linear layer i:    `layers.{i}.conv`      [conv_dim, K-1]   runtime dtype: the last K-1
                                             pre-conv q|k|v inputs (zeros before the start)
                      `layers.{i}.recurrent` [Hv, Dk, Dv]      float32 delta-rule state

@@ -3,7 +3,7 @@ attention (laguna, gpt_oss): the shared half of those backends. A family subclas
 `SlidingKvBackend` and writes only its per-token math (`_hidden`: embeddings to final
 hidden states), calling `Batch.attend` for each attention layer.
 
-State, by canonical name (DESIGN.md §2.1, §2.2):
+State, by canonical name (docs/architecture.md, 'Model families', 'The backend contract'):
   full layer i:    `layers.{i}.k` / `.v`  [capacity, Hkv, D]  row a = position a
   sliding layer i: `layers.{i}.k` / `.v`  [R, Hkv, D], R = min(W, capacity): a ring, position
                    a at row a % R; only the last W positions are ever read

@@ -176,7 +176,8 @@ class StreamOptions(Struct, forbid_unknown_fields=True):
 
 
 class PrefixCacheOptions(Struct, forbid_unknown_fields=True):
-    """keepwarm extension: the prefix-cache policy for this request (DESIGN.md §2.4)."""
+    """keepwarm extension: the prefix-cache policy for this request
+    (docs/architecture.md, 'Cache policies')."""
 
     scope: str | int | None = None
     window: int | None = None
@@ -212,7 +213,8 @@ class SamplingFields(Struct, kw_only=True, forbid_unknown_fields=True):
     repetition_penalty: Annotated[float, Meta(gt=0, le=10)] | None = None  # extension (vLLM)
     logit_bias: dict[str, Annotated[float, Meta(ge=-100, le=100)]] | None = None
     user: str | None = None
-    # keepwarm extensions (DESIGN.md §3); cache_salt and session_hint are honoured from the gateway only
+    # keepwarm extensions (docs/architecture.md, 'Wire extensions'); cache_salt and session_hint
+    # are honoured from the gateway only
     prefix_cache: PrefixCacheOptions | None = None
     cache_salt: str | None = None
     session_hint: SessionHintBody | None = None
