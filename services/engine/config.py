@@ -81,6 +81,10 @@ def _cache_dir(text: str) -> Path | None:
     return None if text.strip().lower() in ("", "none", "off") else Path(text)
 
 
+def _optional_path(text: str) -> Path | None:
+    return None if not text.strip() else Path(text).expanduser()
+
+
 def _use_triton(text: str) -> bool | None:
     return None if text.strip().lower() in ("", "auto") else parse_bool(text)
 
@@ -187,6 +191,13 @@ class EngineConfig:
     model_name: str = setting(
         "", default_text="(the folder name)", help="the id `/v1/models` reports for a single model"
     )
+    chat_template: Path | None = setting(
+        None,
+        parse=_optional_path,
+        default_text="(the checkpoint's)",
+        help="a Jinja chat template file used instead of the checkpoint's, by every served model "
+        "(a base model without one serves /v1/completions only)",
+    )
     use_triton: bool | None = setting(
         None,
         parse=_use_triton,
@@ -241,6 +252,10 @@ class EngineConfig:
         if self.models and self.model_name:
             raise ConfigError(
                 "--model-name names one model; with several --model each is served under its folder name"
+            )
+        if self.chat_template is not None and not self.chat_template.is_file():
+            raise ConfigError(
+                f"--chat-template {self.chat_template}: no such file; name a Jinja template file"
             )
         if self.layer_split:
             from keepwarm.engine.models.placement import LayerSplit, PlacementError

@@ -1,7 +1,7 @@
 """Random-weight demo checkpoints in Hugging Face layout, written deterministically
 from a seed, so the stack runs and tests without downloading a model.
 
-    python -m keepwarm.engine.demo.demo_model [--family dense|hybrid|deepseek_v4]
+    python -m keepwarm.engine.demo.demo_model [--family dense|hybrid|deepseek_v4|laguna|gpt_oss|gemma3]
         [--seed N] [--size small|tiny] [--force] DIR
 
 A folder holds config.json, model.safetensors (bf16), generation_config.json and a
@@ -291,6 +291,7 @@ FAMILIES: dict[str, Callable[[], DemoFamily]] = {
     "deepseek_v4": _from_module("deepseek_v4"),
     "laguna": _from_module("laguna"),
     "gpt_oss": _from_module("gpt_oss"),
+    "gemma3": _from_module("gemma3"),
 }
 
 

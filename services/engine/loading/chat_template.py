@@ -389,6 +389,12 @@ class ChatTemplate:
             )
         return cls(source, tokenizer)
 
+    @classmethod
+    def refusing(cls, reason: str, tokenizer: Tokenizer) -> ChatTemplate:
+        """The template of a checkpoint that has none: every render raises ChatTemplateError
+        with `reason` (the model still serves raw-prompt completions)."""
+        return cls("{{ raise_exception(" + json.dumps(reason) + ") }}", tokenizer)
+
     @property
     def source(self) -> str:
         return self._sources.get("default", next(iter(self._sources.values())))

@@ -7,7 +7,11 @@ and for the `llama` architecture the Q and K rows are permuted back from llama.c
 interleaved-pair RoPE layout to the half-split layout the families rotate with. A `qwen3moe`
 file's stacked experts `blk.N.ffn_gate_exps` / `ffn_up_exps` [E, I, hidden] read as one
 `model.layers.N.mlp.experts.gate_up_proj` [E, 2 I, hidden] (gate rows first, as transformers'
-Qwen2MoeTensorProcessor builds it), `ffn_down_exps` as `mlp.experts.down_proj`.
+Qwen2MoeTensorProcessor builds it), `ffn_down_exps` as `mlp.experts.down_proj`. A `gemma3`
+file's four norms per layer map to Gemma's sandwich norms (`ffn_norm` is the pre-feedforward
+norm there), and every norm weight is read minus 1: llama.cpp's converter stores Gemma's
+`1 + w` scale, transformers' Gemma2TensorProcessor subtracts the 1 again (in float32, after
+dequantizing), and so does this loader.
 
 Every `{arch}.*` metadata key is either honoured (mapped into the config), known not to
 change the computation, or refused with an error naming it; so is every tensor the family
@@ -29,7 +33,13 @@ from keepwarm.engine.loading.gguf_file import GgufError, GgufFile
 from keepwarm.engine.loading.tokenizer import Tokenizer
 
 # GGUF architecture -> config.json model_type
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
+ARCHITECTURES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen3moe": "qwen3_moe",
+    "gemma3": "gemma3_text",
+}
 _MOE_ARCHITECTURES = {"qwen3moe"}
 
 # {arch}.<key> -> config.json field
@@ -51,6 +61,12 @@ _MOE_CONFIG_KEYS = {
     "expert_count": "num_experts",
     "expert_used_count": "num_experts_per_tok",
     "expert_feed_forward_length": "moe_intermediate_size",
+}
+# gemma3.<key> -> config.json field (transformers maps the window; llama.cpp reads the local
+# layers' base from freq_base_swa when a file has it, else 10,000 as Gemma3TextConfig's default)
+_GEMMA3_CONFIG_KEYS = {
+    "attention.sliding_window": "sliding_window",
+    "rope.freq_base_swa": "rope_local_base_freq",
 }
 # {arch}.<key> read below, or that change nothing the engine computes
 _CHECKED_KEYS = {"rope.dimension_count", "attention.value_length", "rope.scaling.type", "rope.scaling.factor"}
@@ -80,6 +96,13 @@ _MOE_LAYER_TENSORS = {
     "ffn_up_exps.weight": "mlp.experts.gate_up_proj",
     "ffn_down_exps.weight": "mlp.experts.down_proj",
 }
+# gemma3 only: the sandwich norms (llama.cpp's ffn_norm is the pre-feedforward norm there)
+_GEMMA3_LAYER_TENSORS = {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+_GEMMA3_DROPPED = {"attn_q.bias", "attn_k.bias", "attn_v.bias"}  # no such tensors in a Gemma 3
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -96,6 +119,9 @@ def _hf_name(gguf_name: str, arch: str) -> str | None:
     names = {k: v for k, v in _LAYER_TENSORS.items() if not (moe and k in _DENSE_FFN_TENSORS)}
     if moe:
         names.update(_MOE_LAYER_TENSORS)
+    if arch == "gemma3":
+        names = {k: v for k, v in names.items() if k not in _GEMMA3_DROPPED}
+        names.update(_GEMMA3_LAYER_TENSORS)
     parts = gguf_name.split(".", 2)
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
         return f"model.layers.{parts[1]}.{names[parts[2]]}"
@@ -116,7 +142,9 @@ def config_from_metadata(gguf: GgufFile) -> dict[str, Any]:
     cfg: dict[str, Any] = {"model_type": model_type, "architectures": [f"{model_type}ForCausalLM"]}
     prefix = arch + "."
     moe = arch in _MOE_ARCHITECTURES
-    config_keys = {**_CONFIG_KEYS, **_MOE_CONFIG_KEYS} if moe else _CONFIG_KEYS
+    config_keys = {**_CONFIG_KEYS, **_MOE_CONFIG_KEYS} if moe else dict(_CONFIG_KEYS)
+    if arch == "gemma3":
+        config_keys.update(_GEMMA3_CONFIG_KEYS)
     for key, value in meta.items():
         if not key.startswith(prefix):
             continue
@@ -176,11 +204,33 @@ def config_from_metadata(gguf: GgufFile) -> dict[str, Any]:
             cfg[tid] = meta[name]
     if arch == "qwen2":
         cfg["use_sliding_window"] = False
+    if arch == "gemma3":
+        _gemma3_config(gguf, cfg, head_dim)
     if moe:
         # llama.cpp's qwen3moe graph: every layer sparse, the top-k weights renormalized
         # (transformers' GGUF_CONFIG_DEFAULTS_MAPPING sets norm_topk_prob the same way)
         cfg.update(decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
     return cfg
+
+
+def _gemma3_config(gguf: GgufFile, cfg: dict[str, Any], head_dim: int) -> None:
+    """The fields a gemma3 GGUF does not store, as both transformers and llama.cpp assume them
+    (the layer pattern, five local to one global, is Gemma3TextConfig's default as it is
+    llama.cpp's), or refused where the two disagree."""
+    if head_dim != 256:
+        # transformers takes Gemma3TextConfig's query_pre_attn_scalar (256) whatever the file;
+        # llama.cpp scales by head_dim ** -0.5 (hidden / heads for the 27B): they differ here
+        raise CheckpointError(
+            f"{gguf.path}: a gemma3 GGUF stores no query_pre_attn_scalar, and with "
+            f"{gguf.architecture}.attention.key_length {head_dim} (not 256) transformers (256) and "
+            "llama.cpp (the head size) scale attention differently; use the Hugging Face folder of this model"
+        )
+    cfg["architectures"] = ["Gemma3ForCausalLM"]
+    cfg["query_pre_attn_scalar"] = 256
+    cfg["hidden_activation"] = "gelu_pytorch_tanh"
+    cfg["head_dim"] = head_dim
+    # linear rope scaling (Gemma 3 4B and up) applies to the global layers only, as llama.cpp
+    # runs it and as the Hugging Face config says (transformers' GGUF reader drops the key)
 
 
 def _key_of(field_name: str) -> str:
@@ -224,8 +274,7 @@ class GgufCheckpoint(Checkpoint):
             named["default"] = meta["tokenizer.chat_template"]
         if not named:
             raise ChatTemplateError(
-                f"{self.path}: the GGUF metadata has no tokenizer.chat_template, so chat cannot be "
-                "rendered; use a file that carries one"
+                f"{self.path}: the GGUF metadata has no tokenizer.chat_template, so chat cannot be rendered"
             )
         return ChatTemplate(named["default"] if list(named) == ["default"] else named, tokenizer)
 
@@ -243,6 +292,8 @@ class GgufCheckpoint(Checkpoint):
             )
         t = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
         src = " + ".join(parts)
+        if self.model_type == "gemma3_text" and parts[0].endswith("norm.weight"):
+            t = t.float() - 1  # the converter's 1 + w back to Gemma's w (as transformers reads it)
         if self.model_type == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")) and t.dim() == 2:
             heads = (
                 self.config["num_attention_heads"] if "q_proj" in name else self.config["num_key_value_heads"]

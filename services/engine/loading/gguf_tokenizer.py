@@ -13,6 +13,10 @@ transformers' `integrations/gguf/gguf_tokenizer_mapping.py` does, step by step:
      with prepend scheme "first" whatever `tokenizer.ggml.add_space_prefix` says, decoder
      Replace/ByteFallback/Fuse/Strip); merges from the file, else derived from the scores as
      `generate_merges` does; its constructor adds `<s>`, `</s>`, `<unk>` as special tokens;
+   - `llama` in a `gemma2`/`gemma3` file: as transformers' `gemma_tokenizer` ->
+     `GemmaTokenizer` (tokens of only spaces respelled as that many "\u2581", merges derived
+     with the file's token order as the scores, a `Replace(" ", "\u2581")` normalizer, no prefix
+     space, decoder Replace/ByteFallback/Fuse; `<unk>`, `<bos>`, `<eos>`, `<pad>`, `<mask>` special);
 2. tokens of type 3 (control) as special added tokens (in a byte-level vocabulary only those
    spelled in the byte alphabet), then type 4 (user-defined) as plain added tokens;
 3. `tokenizer.ggml.pre` in transformers' table of split regexes: a `Split` + `ByteLevel`
@@ -23,7 +27,7 @@ transformers' `integrations/gguf/gguf_tokenizer_mapping.py` does, step by step:
    `add_eos_token` (a `llama` vocabulary without the flag adds BOS, as llama.cpp does).
 
 Files whose tokenizer transformers builds some other way (another `tokenizer.ggml.model`, or a
-SentencePiece vocabulary of a Gemma or Phi-3 architecture) are refused with `TokenizerError`.
+SentencePiece vocabulary of a Gemma (1) or Phi-3 architecture) are refused with `TokenizerError`.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 from keepwarm.engine.loading.gguf_file import GgufFile
@@ -83,7 +87,8 @@ PRE_TOKENIZER_SPLITS: dict[str, str] = {
 
 # Architectures whose SentencePiece (`llama`) vocabulary transformers builds differently
 # (GGUF_SENTENCEPIECE_BUILDERS); not implemented here.
-_OTHER_SENTENCEPIECE_ARCHS = frozenset({"gemma", "gemma2", "gemma3", "phi3"})
+_OTHER_SENTENCEPIECE_ARCHS = frozenset({"gemma", "phi3"})  # gemma: transformers reads no such GGUF
+_GEMMA_ARCHS = frozenset({"gemma2", "gemma3"})
 
 # tokenizer.ggml key -> the named special token transformers sets from it, in transformers' order
 _NAMED_IDS = (
@@ -254,6 +259,33 @@ def _sentencepiece_backend(meta: _Meta, tokens: list[str]) -> HFTokenizer:
     return backend
 
 
+def _gemma_backend(meta: _Meta, tokens: list[str]) -> HFTokenizer:
+    """transformers' `gemma_tokenizer` -> `GemmaTokenizer(vocab, merges)`: a token of only spaces
+    is looked up as that many "\u2581"; without merges in the file they are derived with each
+    token's position as its score (Gemma's scores do not follow its merge order)."""
+    tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {token: index for index, token in enumerate(tokens)}
+    merges = meta.str_list("tokenizer.ggml.merges")
+    if merges is not None:
+        pairs = _merge_pairs(meta, "tokenizer.ggml.merges", merges)
+    else:
+        pairs = _merges_from_scores(tokens, [-i for i in range(len(tokens))])
+    backend = HFTokenizer(
+        models.BPE(
+            vocab=vocab, merges=pairs, fuse_unk=True, unk_token="<unk>", byte_fallback=True, dropout=None
+        )
+    )
+    backend.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    backend.normalizer = normalizers.Replace(" ", "\u2581")
+    # GemmaTokenizer's bos/eos/unk/pad/mask defaults, which its constructor adds as special
+    # tokens (one the vocabulary lacks gets the next id, as there)
+    backend.add_tokens([AddedToken(t, special=True) for t in ("<bos>", "<eos>", "<unk>", "<pad>", "<mask>")])
+    return backend
+
+
 def _content_hash(metadata: dict[str, Any]) -> str:
     """sha256 over every `tokenizer.ggml.*` key and its value (sorted keys, JSON values)."""
     h = hashlib.sha256()
@@ -305,9 +337,12 @@ def _build(gguf: GgufFile) -> Tokenizer:
     token_types = meta.num_list("tokenizer.ggml.token_type") or []
 
     try:
-        backend = (
-            _byte_level_backend(meta, tokens) if model == "gpt2" else _sentencepiece_backend(meta, tokens)
-        )
+        if model == "gpt2":
+            backend = _byte_level_backend(meta, tokens)
+        elif arch in _GEMMA_ARCHS:
+            backend = _gemma_backend(meta, tokens)
+        else:
+            backend = _sentencepiece_backend(meta, tokens)
     except TokenizerError:
         raise
     except Exception as e:  # tokenizers raises its own exception type (e.g. a merge of unknown tokens)

@@ -30,6 +30,8 @@ MODEL_TYPE_TO_FAMILY = {
     "deepseek_v4": "deepseek_v4",
     "laguna": "laguna",
     "gpt_oss": "gpt_oss",
+    "gemma3_text": "gemma3",
+    "gemma3": "gemma3",  # the multimodal folder: refused by name (models/gemma3.py)
 }
 
 

@@ -149,7 +149,7 @@ def test_pre_tokenizer_table_is_transformers() -> None:
     from transformers.integrations.gguf import gguf_tokenizer_mapping as tf
 
     assert PRE_TOKENIZER_SPLITS == tf.GGUF_PRE_TOKENIZER_SPLITS
-    # the builders this module mirrors, and the SentencePiece architectures it refuses
+    # the builders this module mirrors (gemma2, gemma3: _gemma_backend; gemma, phi3 are refused)
     assert set(tf.GGUF_TOKENIZER_TYPES) == {"gpt2", "llama", "t5", "gemma4"}
     assert set(tf.GGUF_SENTENCEPIECE_BUILDERS) == {"gemma", "gemma2", "gemma3", "phi3"}
 
@@ -417,7 +417,17 @@ def test_refuses_other_tokenizer_models(tmp_path: Path, model: str | None) -> No
         tokenizer_from_gguf(GgufFile(path))
 
 
-@pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3", "phi3"])
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_sentencepiece_equals_transformers(tmp_path: Path, arch: str) -> None:
+    """transformers' gemma_tokenizer: GemmaTokenizer's normalizer, no prefix space, merges from the
+    token order, its <bos> <eos> <pad> <mask> defaults added after the vocabulary here."""
+    ours, hf = load_both(write_sentencepiece(tmp_path / arch / "sp.gguf", arch=arch))
+    assert backend_json(ours) == hf_json(hf)
+    assert ours.vocab_size == len(hf)
+    assert_same_ids_and_text(ours, hf, SP_TEXTS)
+
+
+@pytest.mark.parametrize("arch", ["gemma", "phi3"])
 def test_refuses_sentencepiece_builders_it_does_not_mirror(tmp_path: Path, arch: str) -> None:
     path = write_sentencepiece(tmp_path / arch / "sp.gguf", arch=arch)
     with pytest.raises(
