@@ -1,9 +1,11 @@
 """Build-and-load for the row-invariant CPU kernels beside cpu_linear (attention, row-wise
 ops): the same rules as cpu_linear (the build `cpu_linear.kernel_isa` picks for this CPU:
 AVX-512 BF16 where the CPU has it, else the AVX2 build with the AVX-512 intrinsics emulated
-(avx2 + fma + f16c; its own extension name), else none; compiled at first use with
-torch.utils.cpp_extension and cached, any failure logged once and answered with None so the
-caller stays on torch). KEEPWARM_CPU_KERNELS=0 keeps them off."""
+(avx2 + fma + f16c; its own extension name), else none; built at install by
+`python -m keepwarm.kernels.build` and loaded from the install's kernel folder
+(kernels/prebuilt.py), compiled at first use only without that build; any failure logged
+once and answered with None so the caller stays on torch). KEEPWARM_CPU_KERNELS=0 keeps them
+off."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from types import ModuleType
 
 from keepwarm.kernels.cpu_linear import (
     LDFLAGS,
+    Isa,
     compile_flags,
     cpu_flags,
     extension_name,
@@ -38,21 +41,21 @@ def load(source: Path, name: str, build_dir: Path | None = None) -> ModuleType |
     if isa is None:
         log.info("%s: this CPU lacks %s; using torch", name, missing_flags(flags))
         return None
-    from torch.utils import cpp_extension
-
     name = extension_name(name, isa)
     try:
-        if build_dir is not None:
-            build_dir.mkdir(parents=True, exist_ok=True)
-        return cpp_extension.load(
-            name=name,
-            sources=[str(source)],
-            # torch rebuilds when a source or a flag changes, not a header: their hash is a flag
-            extra_cflags=compile_flags(isa, HEADERS),
-            extra_ldflags=list(LDFLAGS),
-            extra_include_paths=[str(CSRC)],
-            build_directory=None if build_dir is None else str(build_dir),
-        )
+        return build(source, name, isa, build_dir)
     except Exception as e:  # any build/load failure must leave the engine on torch
         log.warning("%s: building %s failed (%s: %s); using torch", name, source, type(e).__name__, e)
         return None
+
+
+def build(source: Path, name: str, isa: Isa, build_dir: Path | None = None) -> ModuleType:
+    """The extension `name` (already suffixed for `isa`) from `source`: the install's build
+    (kernels/prebuilt.py), compiled now when there is none, or compiled into `build_dir`.
+    Raises on any build error."""
+    from keepwarm.kernels import prebuilt
+
+    # torch rebuilds when a source or a flag changes, not a header: their hash is a flag
+    return prebuilt.load(
+        name, source, compile_flags(isa, HEADERS), LDFLAGS, include_paths=[str(CSRC)], folder=build_dir
+    )

@@ -38,9 +38,11 @@ Two builds of the same source, chosen once per process from the CPU's flags (`ke
   (leading dims flattened), bias is None or a [N] CPU tensor of that dtype, and no autograd
   graph is being recorded through x, weight or bias. Otherwise torch (not invariant).
 
-The extension is compiled at first use with torch.utils.cpp_extension (needs a C++ compiler
-and `ninja`; the build is cached under torch's extension folder). Any failure logs one
-warning and leaves `available()` False: the engine then runs on torch alone.
+The extension is compiled when the project is installed (`python -m keepwarm.kernels.build`,
+which ops/lib.sh's set-up and the engine image run: torch.utils.cpp_extension, a C++ compiler
+and `ninja`) into the install's kernel folder, and loaded from there (kernels/prebuilt.py);
+without that build it is compiled at first use. Any failure logs one warning and leaves
+`available()` False: the engine then runs on torch alone.
 Set KEEPWARM_CPU_LINEAR=0 to keep the kernel off.
 """
 
@@ -159,21 +161,13 @@ def build_extension(
     verbose: bool = False,
     isa: Isa = "avx512_bf16",
 ) -> ModuleType:
-    """Compile (or load the cached build of) the C++ kernel's `isa` build, as extension `name`
-    (callers pass extension_name(...)). Raises on any build error. `build_dir` None is torch's
-    extension cache (~/.cache/torch_extensions or $TORCH_EXTENSIONS_DIR)."""
-    from torch.utils import cpp_extension
+    """Load the C++ kernel's `isa` build, as extension `name` (callers pass
+    extension_name(...)): the one `python -m keepwarm.kernels.build` made at install
+    (kernels/prebuilt.py), compiled now when there is none. `build_dir` compiles there instead
+    (tests). Raises on any build error."""
+    from keepwarm.kernels import prebuilt
 
-    if build_dir is not None:
-        build_dir.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(
-        name=name,
-        sources=[str(source)],
-        extra_cflags=compile_flags(isa),
-        extra_ldflags=list(LDFLAGS),
-        build_directory=None if build_dir is None else str(build_dir),
-        verbose=verbose,
-    )
+    return prebuilt.load(name, source, compile_flags(isa), LDFLAGS, folder=build_dir, verbose=verbose)
 
 
 @dataclass(frozen=True)

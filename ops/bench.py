@@ -1,6 +1,7 @@
 """keepwarm benchmarks; each writes one JSON object (and prints it).
 
-  ops/bench engine [--model DIR] [--json PATH]   prefill/decode vs transformers, memory roofline
+  ops/bench engine [--model DIR] [--json PATH]   prefill/decode vs transformers, memory roofline,
+                                                 engine start to /health ready (new and warm cache folder)
   ops/bench cache  [--model DIR] [--json PATH]   cold vs warm TTFT (RAM, disk), restore bandwidth
   ops/bench serve  [--model DIR] [--json PATH]   concurrent streams: decode scaling, multi-user chat TTFT,
                                                  agents in tool loops over a long system prompt
@@ -135,6 +136,112 @@ def bench_engine(
     return out
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _health(url: str) -> dict[str, Any] | None:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            doc: dict[str, Any] = json.loads(r.read())
+            return doc if r.status == 200 else None
+    except (OSError, urllib.error.URLError, ValueError):
+        return None
+
+
+def _start_engine(
+    model: Path, dtype: str, threads: int, cache_dir: Path, log: Path, timeout: float = 600
+) -> tuple[Any, str, float, dict[str, Any]]:
+    """`python -m keepwarm.engine serve` on `cache_dir`: (the process, its URL, seconds from
+    spawning it to /health answering 200, that first answer)."""
+    import subprocess
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [
+        sys.executable, "-m", "keepwarm.engine", "serve", "--model", str(model), "--dtype", dtype,
+        "--num-threads", str(threads), "--cache-dir", str(cache_dir), "--host", "127.0.0.1", "--port", str(port),
+    ]  # fmt: skip
+    with open(log, "ab") as out:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    while True:
+        health = _health(url)
+        if health is not None:
+            return proc, url, time.perf_counter() - t0, health
+        if proc.poll() is not None or time.perf_counter() - t0 > timeout:
+            proc.kill()
+            raise RuntimeError(f"the engine did not start (see {log}):\n{log.read_text()[-3000:]}")
+        time.sleep(0.02)
+
+
+def _stop(proc: Any) -> None:
+    import subprocess
+
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+def kernels_prebuilt() -> bool | None:
+    """Whether this CPU's kernels were built at install (`python -m keepwarm.kernels.build`);
+    None where the CPU runs none of the builds."""
+    from keepwarm.kernels import build, cpu_linear, prebuilt
+
+    isas = build.isas_for("auto", cpu_linear.cpu_flags())
+    if not isas:
+        return None
+    for k in build.KERNELS:
+        name, cflags, _ = k.spec(isas[0])
+        key = prebuilt.build_key(name, k.source, cflags, cpu_linear.LDFLAGS)
+        if not (prebuilt.build_dir(name, key) / prebuilt.MARKER).is_file():
+            return False
+    return True
+
+
+def bench_start(model: Path, dtype: str, threads: int, fit_timeout: float = 1800) -> dict[str, Any]:
+    """The engine process from spawn to /health ready: on a new cache folder, then (after that
+    engine fitted its prefill cost model in the background and stopped) on the same, warm
+    folder; and how long the background warm-up took after ready."""
+    with tempfile.TemporaryDirectory(prefix="keepwarm-bench-start-") as tmp:
+        cache, log = Path(tmp) / "cache", Path(tmp) / "engine.log"
+        proc, url, new_s, first = _start_engine(model, dtype, threads, cache, log)
+        try:
+            t0 = time.perf_counter()
+            while True:
+                h = _health(url) or {}
+                pc = h.get("prefill_cost") or {}
+                if pc.get("calibration") in ("done", "persisted"):
+                    break
+                if time.perf_counter() - t0 > fit_timeout or proc.poll() is not None:
+                    raise RuntimeError(f"the prefill cost model was not fitted (see {log})")
+                time.sleep(0.1)
+            warmup_s = time.perf_counter() - t0
+        finally:
+            _stop(proc)
+        proc, _, warm_s, again = _start_engine(model, dtype, threads, cache, log)
+        _stop(proc)
+    return {
+        "start_s_new_folder": new_s,
+        "start_s_warm": warm_s,
+        # after ready on the new folder: the prefill cost model's warm-up, run between requests
+        "start_warmup_s": warmup_s,
+        "start_calibration_at_ready": (first.get("prefill_cost") or {}).get("calibration"),
+        "start_calibration_warm": (again.get("prefill_cost") or {}).get("calibration"),
+        "kernels_prebuilt": kernels_prebuilt(),
+    }
+
+
 def _vocab_size(model: Path) -> int:
     from keepwarm.engine.loading.checkpoint import open_checkpoint
 
@@ -256,7 +363,7 @@ def bench_cache(
         try:
             msgs = _long_messages(engine, prompt_tokens)
             n = len(engine.prepare(_req(msgs)).tokens)
-            engine.calibrate()  # the prefill cost model, as `serve` fits it at its first start
+            engine.calibrate()  # the prefill cost model, as a server fits it in the background
             # warm the kernels on a different prompt so "cold" measures prefill, not first-call overhead
             engine.complete(replace(_req([{"role": "user", "content": "hello there"}], 2)))
             cold = engine.complete(_req(msgs))
@@ -654,6 +761,7 @@ def main(argv: list[str] | None = None) -> int:
         result = bench_engine(
             a.model, DTYPES[a.dtype], a.prompt_tokens, a.decode_tokens, a.chunk, not a.no_reference
         )
+        result.update(bench_start(a.model, a.dtype, a.threads))
     elif a.what == "cache":
         result = bench_cache(a.model, a.dtype, a.prompt_tokens, a.threads, a.deterministic == "true")
     else:

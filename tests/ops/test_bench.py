@@ -63,3 +63,18 @@ def test_bench_cache_warm_answers_equal_the_cold_one(tiny_dense_model: Path, tmp
     assert r["identical_output"] is True
     assert r["warm_sources"] == ["memory", "disk", "disk", "disk"]
     assert r["snapshot_bytes"] > 0 and 0 < r["prompt_tokens"] <= 256
+
+
+def test_bench_engine_reports_the_start_times(tiny_dense_model: Path, tmp_path: Path) -> None:
+    """`start_s_new_folder` and `start_s_warm`: the real engine process from spawn to /health on
+    a new cache folder, then on the same folder once its prefill cost model was persisted."""
+    r = _bench(
+        tmp_path, "engine", "--model", str(tiny_dense_model), "--no-reference", "--prompt-tokens", "32",
+        "--decode-tokens", "2", "--chunk", "32",
+    )  # fmt: skip
+    for key in ("start_s_new_folder", "start_s_warm", "start_warmup_s", "prefill_tok_s"):
+        assert isinstance(r[key], float) and r[key] > 0, key
+    # ready before the warm-up ended (it runs after /health answers); none on the warm folder
+    assert r["start_calibration_at_ready"] in ("waiting", "running", "done")
+    assert r["start_calibration_warm"] == "persisted"
+    assert r["kernels_prebuilt"] in (True, False, None)

@@ -177,7 +177,8 @@ class ModelSet:
             t0 = time.perf_counter()
             engine = self.make_engine(slot.cfg)
             engine.stats = slot.stats  # counters continue across parks
-            engine.calibrate()  # only when no prefill cost model was persisted for it
+            # no warm-up here: the prefill cost model is fitted between requests
+            # (`background_step`) and from real prefills, never before serving
             seconds = time.perf_counter() - t0
         finally:
             with self.lock:
@@ -255,6 +256,19 @@ class ModelSet:
                 self.last_stepped = e
                 return e.step()
         return 0
+
+    def background_step(self) -> tuple[str, Engine, bool] | None:
+        """One chunk of a loaded model's background work, its prefill cost model's warm-up
+        (the loop thread, when no model has a request); (its name, its engine, whether that
+        was its warm-up's first chunk), or None when no model has any left."""
+        with self.lock:
+            pending = [(s.name, s.engine) for s in self.slots.values() if s.engine is not None]
+        for name, engine in pending:
+            if engine.calibration_pending:
+                first = not engine.calibration_started
+                if engine.calibrate_step():
+                    return name, engine, first
+        return None
 
     @property
     def num_running(self) -> int:

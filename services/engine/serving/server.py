@@ -8,6 +8,7 @@ import concurrent.futures
 import hmac
 import json
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable
@@ -15,6 +16,7 @@ from dataclasses import asdict, fields, replace
 from typing import Any
 
 from litestar import Litestar, Request, Response, delete, get, post
+from litestar.datastructures import State
 from litestar.openapi import OpenAPIConfig
 from litestar.response import Stream
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
@@ -576,6 +578,7 @@ def create_app(models: ModelSet, cfg: EngineConfig) -> Litestar:
             "queue_depth": worker.depth,
             "running": worker.num_running,
             "waiting": worker.num_waiting,
+            "prefill_cost": _prefill_cost_info(default.engine),
         }
 
     @get("/metrics", media_type="text/plain; version=0.0.4")
@@ -620,6 +623,7 @@ def create_app(models: ModelSet, cfg: EngineConfig) -> Litestar:
         return Response(error_body(message, 401), status_code=401, media_type="application/json")
 
     return Litestar(
+        state=State({"worker": worker}),  # serve() starts its background work once serving
         route_handlers=[
             chat_completions,
             completions,
@@ -703,6 +707,22 @@ def _cache_info(engine: Engine, limit: int) -> dict[str, Any]:
     }
 
 
+def _prefill_cost_info(engine: Engine | None) -> dict[str, Any] | None:
+    """The default model's prefill cost model (None while it is parked): `calibration` is
+    "persisted" (read from the cache folder), or its warm-up's "waiting" (the server is not
+    answering yet), "running" (between requests) or "done"; `fitted` once it reports what
+    restores save (from the warm-up or from real prefills, whichever comes first)."""
+    if engine is None:
+        return None
+    return {
+        "calibration": engine.calibration_state,
+        "warmup_prefills": engine.calibration_done,
+        "warmup_planned": engine.calibration_planned,
+        "samples": engine.prefill_cost.samples,
+        "fitted": engine.prefill_cost.calibrated,
+    }
+
+
 def _clear(engine: Engine) -> int:
     n = 0
     if engine.cache.memory is not None:
@@ -714,6 +734,9 @@ def _clear(engine: Engine) -> int:
 
 
 def serve(cfg: EngineConfig) -> None:
+    """Load the default model, then answer HTTP; background work (the prefill cost model's
+    warm-up on a new cache folder) starts only once the server answers, and runs between
+    requests."""
     import uvicorn
 
     models = ModelSet(served_configs(cfg), cfg.models_budget)
@@ -733,4 +756,25 @@ def serve(cfg: EngineConfig) -> None:
     )
     if not cfg.engine_token:
         print("warning: no KEEPWARM_ENGINE_TOKEN: this engine serves anyone who reaches its port", flush=True)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=5)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=5)
+    )
+    worker: Worker = app.state.worker
+
+    def when_serving() -> None:
+        while not server.started:
+            if server.should_exit:
+                return
+            time.sleep(0.01)
+        if engine.calibration_planned:
+            fit = (
+                f"prefill cost model: {engine.calibration_done} of {engine.calibration_planned} warm-up "
+                "prefills run; the rest run between requests, and real prefills count too"
+            )
+        else:
+            fit = "prefill cost model read from the cache folder"
+        print(f"keepwarm engine: ready on http://{cfg.host}:{cfg.port} ({fit})", flush=True)
+        worker.start_background()
+
+    threading.Thread(target=when_serving, name="keepwarm-ready", daemon=True).start()
+    server.run()

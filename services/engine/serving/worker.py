@@ -1,5 +1,7 @@
 """The generation loop thread: steps the engines of a ModelSet (round-robin over the
-models with work) while any sequence is queued or running, and sleeps otherwise. Jobs hand events to the asyncio side through
+models with work) while any sequence is queued or running; otherwise, once the server
+answers (`start_background`), runs background work one short chunk at a time (the prefill
+cost model's warm-up), and sleeps when there is none. Jobs hand events to the asyncio side through
 `loop.call_soon_threadsafe`; a cancelled job (client gone) is dropped at the
 next step, which frees its state."""
 
@@ -41,6 +43,7 @@ class Worker:
         self.on_event = on_event
         self.jobs: dict[int, Job] = {}  # id(job) -> job, for failing a broken step's sequences
         self.wake = threading.Event()
+        self.background = threading.Event()  # set once the server answers: background work may run
         self.stopping = False
         self.thread = threading.Thread(target=self._run, name="keepwarm-generation", daemon=True)
         self.thread.start()
@@ -79,6 +82,11 @@ class Worker:
         self.wake.set()
         return job
 
+    def start_background(self) -> None:
+        """Let background work run between requests (call it once the server answers)."""
+        self.background.set()
+        self.wake.set()
+
     def stop(self) -> None:
         self.stopping = True
         self.wake.set()
@@ -87,6 +95,8 @@ class Worker:
     def _run(self) -> None:
         while not self.stopping:
             if not self.models.has_work():
+                if self.background.is_set() and self._background():
+                    continue  # one chunk done: requests that came meanwhile go first
                 self.wake.wait(timeout=0.5)
                 self.wake.clear()
                 continue
@@ -96,6 +106,31 @@ class Worker:
                 log.exception("engine step failed")
                 self._fail_all(e, self.models.last_stepped)
             self._forget_finished()
+
+    def _background(self) -> bool:
+        """One chunk of background work; False when there is none (or it failed: logged, and
+        not retried)."""
+        try:
+            ran = self.models.background_step()
+        except Exception:
+            log.exception("background work failed (the prefill cost model is fitted from real prefills)")
+            return False
+        if ran is None:
+            return False
+        name, engine, first = ran
+        if first:
+            print(
+                f"keepwarm engine: {name}: fitting the prefill cost model in the background "
+                f"({engine.calibration_planned} warm-up prefills, between requests)",
+                flush=True,
+            )
+        if not engine.calibration_pending:
+            print(
+                f"keepwarm engine: {name}: prefill cost model fitted ({engine.calibration_done} warm-up "
+                f"prefills, {engine.calibration_seconds:.1f} s with the requests between)",
+                flush=True,
+            )
+        return True
 
     def _fail_all(self, error: BaseException, engine: Engine | None) -> None:
         for key, job in list(self.jobs.items()):
