@@ -26,7 +26,7 @@ from keepwarm.engine.loading.chat_template import ChatTemplateError
 from keepwarm.engine.loading.checkpoint import CheckpointError, open_checkpoint
 from keepwarm.engine.models import build_backend
 from keepwarm.engine.models.gemma3 import Gemma3Backend
-from keepwarm.kernels.ops import TORCH_OPS
+from keepwarm.kernels.ops import TORCH_OPS, cpu_ops
 from tests.engine.models import sliding_checks as checks
 from tests.engine.models.test_gemma3 import _model as tiny_gemma3
 
@@ -256,6 +256,29 @@ def test_270m_greedy_32_tokens_equal_transformers(gemma3_270m: dict[str, Any]) -
         assert got == want[0, len(ids) :].tolist(), text
         if text.startswith("The capital"):  # the base model, not instruction-tuned: it goes on about France
             assert "France" in tok.decode(got)
+
+
+@pytest.mark.skipif(
+    cpu_ops().name != "cpu_invariant",
+    reason="the invariant CPU kernels need AVX-512 BF16 or AVX2 + FMA + F16C",
+)
+def test_270m_bf16_invariant_kernels_give_the_same_bits_in_any_chunking_and_batch(
+    gemma3_270m: dict[str, Any],
+) -> None:
+    """What the engine runs (bf16, keepwarm's row-invariant kernels): chunks 1 / 7 / 64 and a
+    batch with other sequences give the bits of one shot, alone."""
+    ours = build_backend(gemma3_270m["ckpt"], CPU, torch.bfloat16, cpu_ops())
+    toks = checks.prompt(40, ours.vocab_size, seed=7)
+    one = ours.forward(ours.new_state(41), toks, all_logits=True)
+    for chunk in (1, 7, 64):
+        st = ours.new_state(41)
+        parts = [ours.forward(st, toks[i : i + chunk], all_logits=True) for i in range(0, 40, chunk)]
+        assert torch.equal(torch.cat(parts), one), chunk
+    a, chunks = checks._states(ours, 512)
+    b, _ = checks._states(ours, 512)
+    batched = ours.step(a, chunks)
+    alone = torch.stack([ours.prefill(s, c) for s, c in zip(b, chunks, strict=True)])
+    assert torch.equal(batched, alone)
 
 
 def test_270m_snapshots_below_at_across_the_512_window_continue_in_a_fresh_process(
