@@ -286,3 +286,12 @@ def test_rocm_dockerfile_keeps_the_base_images_torch(torch_spec: str) -> None:
     version, marked, constraint = check.stdout.split()
     assert marked == "True"  # the base's torch files, untouched
     assert constraint == f"torch=={version}"
+    # the CPU kernels were compiled in the image build (the base's own Python headers or
+    # python3-dev), so no engine compiles them at its first start
+    built = subprocess.run(
+        ["docker", "run", "--rm", "--entrypoint", "python", "keepwarm/engine:rocm", "-m", "keepwarm.kernels.build",
+         "--check"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert built.returncode == 0, built.stdout + built.stderr
+    assert "missing" not in built.stdout
