@@ -17,7 +17,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import replace
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -340,6 +340,37 @@ def _req(msgs: list[dict[str, str]], max_tokens: int = 16) -> Any:
     )
 
 
+def _has_chat_template(engine: Any) -> bool:
+    from keepwarm.engine.loading.chat_template import ChatTemplateError
+
+    try:
+        engine.template.encode_chat([{"role": "user", "content": "hello"}])
+    except ChatTemplateError:
+        return False
+    return True
+
+
+def _raw_req(tokens: list[int], max_tokens: int = 16) -> Any:
+    """A raw-prompt request (a base model without a chat template)."""
+    from keepwarm.engine.generation.request import GenerateRequest
+    from keepwarm.engine.generation.sampling import SamplingParams
+
+    return GenerateRequest(
+        sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True), prompt_tokens=tuple(tokens)
+    )
+
+
+def _long_request_maker(engine: Any, target: int) -> Callable[[], Any]:
+    """Requests of about `target` prompt tokens of real text: a chat (system prompt + question)
+    where the model has a chat template, else the corpus' first `target` tokens as a raw prompt."""
+    if _has_chat_template(engine):
+        msgs = _long_messages(engine, target)
+        return lambda: _req(msgs)
+    corpus = (Path(__file__).resolve().parent.parent / "services/engine/demo/data/corpus.txt").read_text()
+    tokens = engine.tokenizer.encode(corpus, add_special_tokens=True)[:target]
+    return lambda: _raw_req(tokens)
+
+
 def bench_cache(
     model: Path, dtype: str, prompt_tokens: int, threads: int, deterministic: bool = True
 ) -> dict[str, Any]:
@@ -361,22 +392,22 @@ def bench_cache(
         ).validate()
         engine = Engine(cfg)
         try:
-            msgs = _long_messages(engine, prompt_tokens)
-            n = len(engine.prepare(_req(msgs)).tokens)
+            long_req = _long_request_maker(engine, prompt_tokens)
+            n = len(engine.prepare(long_req()).tokens)
             engine.calibrate()  # the prefill cost model, as a server fits it in the background
             # warm the kernels on a different prompt so "cold" measures prefill, not first-call overhead
-            engine.complete(replace(_req([{"role": "user", "content": "hello there"}], 2)))
-            cold = engine.complete(_req(msgs))
+            engine.complete(_raw_req(engine.tokenizer.encode("hello there", add_special_tokens=True), 2))
+            cold = engine.complete(long_req())
             engine.flush()
-            warm_mem = engine.complete(_req(msgs))
+            warm_mem = engine.complete(long_req())
             assert engine.cache.memory is not None and engine.cache.disk is not None
-            key = engine.cache.key("", engine.prepare(_req(msgs)).tokens)
+            key = engine.cache.key("", engine.prepare(long_req()).tokens)
             path = engine.cache.disk.path_for(key)
             disk_runs, raw_runs = [], []
             for _ in range(3):  # disk and raw reads alternate, so both see the same disk
                 engine.cache.memory.clear()
                 _drop_page_cache(path)
-                disk_runs.append(engine.complete(_req(msgs)))
+                disk_runs.append(engine.complete(long_req()))
                 raw_runs.append(_raw_read_gbps(path))
             snapshot_bytes = path.stat().st_size
         finally:
