@@ -100,6 +100,7 @@ class Service:
     ports: tuple[tuple[int, int], ...]  # (published, target)
     expose: frozenset[str]
     healthcheck: tuple[str, ...]  # the test command, "CMD"/"CMD-SHELL" prefix dropped
+    command: tuple[str, ...]
     depends_on: dict[str, str]  # service -> condition
     build_args: dict[str, str]
     dockerfile: str | None
@@ -134,6 +135,7 @@ def _service(raw: dict[str, Any]) -> Service:
         ports=tuple((int(p["published"]), int(p["target"])) for p in raw.get("ports") or []),
         expose=frozenset(str(e) for e in raw.get("expose") or []),
         healthcheck=tuple(test),
+        command=tuple(str(c) for c in raw.get("command") or ()),
         depends_on={k: v["condition"] for k, v in (raw.get("depends_on") or {}).items()},
         build_args={k: str(v) for k, v in (build.get("args") or {}).items()},
         dockerfile=build.get("dockerfile"),
@@ -328,6 +330,19 @@ def test_every_service_has_a_healthcheck_and_waits_for_healthy_dependencies(stac
     assert stack.services["ui"].depends_on == {"api": "service_healthy"}
     assert stack.services["engine"].depends_on == {}
     assert stack.services["redis"].healthcheck == ("valkey-cli", "ping")
+
+
+def test_redis_keeps_an_append_only_file_on_its_volume(stack: Stack) -> None:
+    command = stack.services["redis"].command
+    flags = dict(zip(command[1::2], command[2::2], strict=True))
+    assert command[0] == "valkey-server"
+    assert flags == {
+        "--dir": "/data",
+        "--appendonly": "yes",
+        "--appendfsync": "everysec",
+        "--protected-mode": "no",
+    }
+    assert stack.services["redis"].mounts["/data"].source == "redis-data"
 
 
 def test_only_the_gateway_and_dashboard_are_published(stack: Stack) -> None:

@@ -11,11 +11,16 @@ POST /v1/chat/completions and POST /v1/completions, per request:
   the first healthy engine serving that model in routing order (engines.py: the
   session's engine while it is healthy, else the least loaded by the engines'
   running + waiting sequences, so a moved session restores from the shared disk
-  cache through its hint); a failure before anything reached the client (connect error,
-  timeout, engine gone before its headers, engine 503 or 429, engine marked down
-  by the health poller while the request waited, e.g. a paused process) moves
-  on to the next engine -> the answer passed through. When every engine
-  answered 429, the client gets the shortest Retry-After among them.
+  cache through its hint); a failure before anything reached the client moves on
+  to the next engine -> the answer passed through. Busy is not dead: an engine
+  is marked down for everyone only when it answers nobody (connection refused,
+  a timeout, three /health timeouts in a row); one connection that broke before
+  an answer costs only that request a retry (after a health probe of the
+  engine), and a request whose engine was marked down while it waited tries it
+  again if it is healthy at the next look (each engine at most twice). When
+  every engine answered 429 (queue full), the client gets the 429 with the
+  shortest Retry-After among them; a 503 means no engine answers at all.
+  A stream, once its first byte reached the client, is never retried.
 
 Streaming is passed through line by line as bytes arrive (no buffering beyond
 one SSE line). The one chunk carrying `usage` is parsed on the way: its
@@ -65,6 +70,7 @@ import json
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -88,6 +94,7 @@ from keepwarm.api.config import GatewayConfig
 from keepwarm.api.engines import EnginePool, Ticket
 from keepwarm.api.errors import ApiError, handle_exception, upstream_error
 from keepwarm.api.messages_api import routes as messages_routes
+from keepwarm.api.metrics import GatewayMetrics
 from keepwarm.api.rate_limit import RateLimiter
 from keepwarm.api.record import RequestRecord
 from keepwarm.api.responses_api import routes as responses_routes
@@ -99,14 +106,19 @@ from keepwarm.engine.serving import wire
 log = logging.getLogger("keepwarm.api")
 
 # Failures that prove the engine never produced an answer the client could have
-# seen part of; the request moves on to the next engine.
-_FAILOVER_ERRORS = (
-    httpx.ConnectError,
-    httpx.TimeoutException,  # connect, read (no headers / body in time), write, pool
-    httpx.RemoteProtocolError,
-    httpx.ReadError,
-    httpx.WriteError,
-)
+# seen part of; the request moves on. Two kinds, told apart because one broken
+# connection must not take a busy engine away from every other request:
+# - the engine answers nobody (connection refused, no connection or no byte in
+#   time): it is marked down at once, for every request;
+# - one connection broke before an answer (a keep-alive connection the engine
+#   closed as the request went out, a reset): only this request is affected; it
+#   tries again, on a new connection, after one health probe of that engine
+#   (which marks it down only if the engine itself does not answer).
+_DEAD_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadTimeout, httpx.WriteTimeout)
+_BROKEN_ERRORS = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.PoolTimeout)
+_FAILOVER_ERRORS = _DEAD_ERRORS + _BROKEN_ERRORS
+# Times one request is sent to one engine before it gives that engine up.
+_TRIES_PER_ENGINE = 2
 # What a tenant that is not admin sees of an engine's cache stats: the shared
 # capacity, nothing about other tenants' requests (counters, keys, paths).
 _SHARED_STATS = {
@@ -155,7 +167,9 @@ class Gateway:
             timeout=httpx.Timeout(
                 connect=config.connect_timeout_s, read=config.read_timeout_s, write=30.0, pool=10.0
             ),
-            limits=httpx.Limits(max_connections=1000, max_keepalive_connections=64),
+            # Idle connections closed by the gateway after 5 s, well before an engine would close
+            # them (75 s), so a request never goes out on a connection the engine is closing.
+            limits=httpx.Limits(max_connections=1000, max_keepalive_connections=64, keepalive_expiry=5.0),
             headers={"Authorization": f"Bearer {config.engine_token}"} if config.engine_token else None,
         )
         self.pool = EnginePool(
@@ -164,6 +178,7 @@ class Gateway:
             interval_s=config.health_interval_s,
             probe_timeout_s=config.health_timeout_s,
         )
+        self.metrics = GatewayMetrics(self.breaker, self.pool)
         self.sessions = SessionStore(
             self.redis,
             prefix=config.redis_prefix,
@@ -187,8 +202,15 @@ class Gateway:
         await self.pool.probe_all()
         self._tasks = [
             asyncio.create_task(self.pool.run(), name="engine-health"),
-            asyncio.create_task(self.breaker.watch(self.redis.ping), name="redis-breaker"),
+            asyncio.create_task(self.breaker.watch(self.redis_probe), name="redis-breaker"),
         ]
+
+    async def redis_probe(self) -> None:
+        """The breaker's half-open probe: a ping on a fresh connection. Every pooled connection
+        is dropped first (none is in use while the circuit is open): after a Redis restart they
+        are all dead, and the first requests after the circuit closes would trip it again."""
+        await self.redis.connection_pool.disconnect()
+        await self.redis.ping()
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -200,6 +222,11 @@ class Gateway:
 
     def is_admin(self, caller: Caller) -> bool:
         return caller.tenant in self.config.admin_tenants
+
+    def admin_only(self, caller: Caller, what: str) -> str:
+        """The 403 message for a tenant that is not admin."""
+        who = ", ".join(self.config.admin_tenants) or "no tenant (it is empty)"
+        return f"tenant {caller.tenant!r} may not {what}; KEEPWARM_ADMIN_TENANTS lists who may: {who}"
 
     async def redis_do(self, coro: Any, what: str) -> Any:
         """A Redis call for something a chat can do without: None when Redis is
@@ -327,12 +354,12 @@ class Gateway:
             changes["stream_options"] = wire.StreamOptions(include_usage=True)
         payload = wire.encode(msgspec.structs.replace(data, **changes))
         affinity, preferred = sid or caller.tenant, session.engine if session else None
-        tried: set[str] = set()
+        tries: Counter[str] = Counter()  # sends per engine; _TRIES_PER_ENGINE = given up
         full: list[ApiError] = []  # engines that answered 429
         engines = await self.healthy_engines(affinity, preferred, model)
         while engines:
             for url in engines:
-                tried.add(url)
+                tries[url] += 1
                 turn = Turn(
                     caller=caller, session=sid, engine=url, usage_to_client=usage_to_client, path=path
                 )
@@ -344,21 +371,35 @@ class Gateway:
                         handed_over = True
                         return response
                     return await self._complete(turn, payload, request)
-                except _FAILOVER_ERRORS as e:
+                except _DEAD_ERRORS as e:
                     self.pool.mark_down(url, f"{type(e).__name__}: {e}")
+                    tries[url] = _TRIES_PER_ENGINE
+                    self.metrics.retried("engine_down")
                     log.warning("engine %s failed before answering (%s); trying the next", url, e)
+                except _BROKEN_ERRORS as e:
+                    log.warning("connection to engine %s broke before an answer (%r); trying again", url, e)
+                    self.metrics.retried("broken_connection")
+                    await self.pool.probe(url)  # down only if the engine itself does not answer
                 except _EngineLost:
+                    self.metrics.retried("engine_lost")
                     log.warning("engine %s went down while the request waited; trying the next", url)
                 except _EngineBusy:
+                    tries[url] = _TRIES_PER_ENGINE
+                    self.metrics.retried("engine_busy")
                     log.warning("engine %s answered 503; trying the next", url)
                 except _EngineFull as e:
+                    tries[url] = _TRIES_PER_ENGINE
+                    self.metrics.retried("queue_full")
                     full.append(e.error)
                 finally:
                     if not handed_over:
                         ticket.close()
-            # Every engine believed healthy failed: one fresh look for engines that came back.
+            # One fresh look: engines that came back (a paused one resumed, a slow /health
+            # answered again) are tried again, each at most _TRIES_PER_ENGINE times in all.
             await self.pool.probe_all()
-            engines = [u for u in self.pool.candidates(affinity, preferred, model) if u not in tried]
+            engines = [
+                u for u in self.pool.candidates(affinity, preferred, model) if tries[u] < _TRIES_PER_ENGINE
+            ]
         if full:
             raise min(full, key=_retry_after)
         self.resolve_model(model)  # its 503 naming the model when the model's engines are gone
@@ -389,7 +430,13 @@ class Gateway:
             content=payload,
             headers={"content-type": "application/json"},
         )
+        sent = time.monotonic()
         resp = await self.client.send(req, stream=True)
+        waited = time.monotonic() - sent
+        if resp.status_code == 200:
+            self.metrics.waited("answer", waited)
+        elif resp.status_code == 429:
+            self.metrics.waited("queue_full", waited)
         if resp.status_code != 200:
             try:
                 err = await resp.aread()
@@ -542,8 +589,14 @@ class Gateway:
                 r = await self.client.post(
                     f"{url}{path}", content=payload, headers={"content-type": "application/json"}
                 )
-            except _FAILOVER_ERRORS as e:
+            except _DEAD_ERRORS as e:
                 self.pool.mark_down(url, f"{type(e).__name__}: {e}")
+                self.metrics.retried("engine_down")
+                continue
+            except _BROKEN_ERRORS as e:
+                log.warning("connection to engine %s broke before an answer (%r); trying the next", url, e)
+                self.metrics.retried("broken_connection")
+                await self.pool.probe(url)
                 continue
             if r.status_code != 200:
                 raise upstream_error(r.status_code, r.content, r.headers)
@@ -720,6 +773,14 @@ def create_app(config: GatewayConfig) -> Litestar:
             "redis_circuit": gw.breaker.state().as_dict(),
         }
 
+    @get("/metrics", media_type="text/plain; version=0.0.4", responses=wire.error_responses(401, 403))
+    async def metrics(request: Request[Any, Any, Any]) -> bytes:
+        """Prometheus metrics of every tenant's traffic: an admin tenant's key only."""
+        caller = caller_of(request)
+        if not gw.is_admin(caller):
+            raise ApiError(403, gw.admin_only(caller, "read the gateway's metrics, which cover every tenant"))
+        return gw.metrics.render()
+
     @get("/v1/stats")
     async def stats(request: Request[Any, Any, Any]) -> dict[str, Any]:
         caller = caller_of(request)
@@ -751,12 +812,7 @@ def create_app(config: GatewayConfig) -> Litestar:
     async def clear_cache(request: Request[Any, Any, Any]) -> dict[str, Any]:
         caller = caller_of(request)
         if not gw.is_admin(caller):
-            who = ", ".join(gw.config.admin_tenants) or "no tenant (it is empty)"
-            raise ApiError(
-                403,
-                f"tenant {caller.tenant!r} may not clear the cache, which every tenant shares; "
-                f"KEEPWARM_ADMIN_TENANTS lists who may: {who}",
-            )
+            raise ApiError(403, gw.admin_only(caller, "clear the cache, which every tenant shares"))
         return await gw.clear_cache()
 
     return Litestar(
@@ -767,6 +823,7 @@ def create_app(config: GatewayConfig) -> Litestar:
             detokenize,
             models,
             health,
+            metrics,
             stats,
             sessions,
             session,
@@ -776,6 +833,7 @@ def create_app(config: GatewayConfig) -> Litestar:
             *responses_routes(gw),
         ],
         lifespan=[lifespan],
+        middleware=[gw.metrics.middleware],
         exception_handlers={Exception: handle_exception},
         request_max_body_size=config.max_body_bytes,  # a 413 naming KEEPWARM_MAX_BODY_BYTES (errors.py)
         openapi_config=OpenAPIConfig(title="keepwarm gateway", version="0.1.0", path="/schema"),

@@ -4,9 +4,11 @@ request one short socket timeout once, then nothing.
 Closed: calls go through. A connection error or timeout opens the circuit:
 from then on every call fails at once with `RedisUnavailable` (a RedisError, so
 callers degrade exactly as for a real failure) without touching the socket.
-`watch(ping)` runs beside the gateway: while the circuit is open it pings every
-`cooldown_s` and closes the circuit on the first answer, so no request ever
-pays for finding out whether Redis is back.
+`watch(probe)` runs beside the gateway and is the half-open state: while the
+circuit is open it sends one probe at a time, at most every `cooldown_s` (0.5 s
+by default), and closes the circuit on the first answer, so no request ever
+pays for finding out whether Redis is back, and a Redis that is back is used
+again within one probe interval plus one round trip.
 """
 
 from __future__ import annotations
@@ -93,15 +95,18 @@ class Breaker:
             self._open = False
             log.info("redis answers again; sessions, stats and rate limits are back")
 
-    async def watch(self, ping: Callable[[], Awaitable[Any]]) -> None:
-        """Forever: while open, ping every cooldown_s; close on an answer. Cancel to stop."""
+    async def watch(self, probe: Callable[[], Awaitable[Any]]) -> None:
+        """Forever: while open, one probe every cooldown_s; close on an answer. Cancel to stop."""
         while True:
             await asyncio.sleep(self.cooldown_s)
             if not self._open:
                 continue
             try:
-                await ping()
+                await probe()
             except (RedisError, *_OUTAGE) as e:
                 self._error = f"{type(e).__name__}: {e}"
+                continue
+            except Exception:  # noqa: BLE001 - the watch must outlive a probe's bug; say so
+                log.exception("redis probe failed unexpectedly; probing again in %.1f s", self.cooldown_s)
                 continue
             self.reset()

@@ -159,10 +159,11 @@ class GatewayConfig:
         help="seconds one Redis call may take (no retries: the circuit breaker decides)",
     )
     redis_cooldown_s: float = setting(
-        5.0,
+        0.5,
         flag="--redis-cooldown",
         env=("KEEPWARM_REDIS_COOLDOWN",),
-        help="seconds between pings while Redis is down; chats skip Redis meanwhile and still answer",
+        help="seconds between probes while Redis is down (one at a time, on fresh connections); chats "
+        "skip Redis meanwhile and still answer, and use it again at the first probe it answers",
     )
 
     def validate(self) -> GatewayConfig:

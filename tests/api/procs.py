@@ -285,6 +285,7 @@ def start_stack(
     *,
     engines: int = 1,
     engine_env: Mapping[str, str] | None = None,
+    engine_extra: Sequence[str] = (),
     gateway_extra: Sequence[str] = (),
     gateway_env: Mapping[str, str] | None = None,
     persist_valkey: bool = False,
@@ -298,7 +299,8 @@ def start_stack(
         started.append(valkey)
         procs = []
         for i in range(engines):
-            procs.append(start_engine(model, root / f"cache-{i}", logs, env=engine_env, token=ENGINE_TOKEN))
+            procs.append(start_engine(model, root / f"cache-{i}", logs, env=engine_env, extra=engine_extra,
+                                      token=ENGINE_TOKEN))  # fmt: skip
             started.append(procs[-1])
         gw = start_gateway([p.url for p in procs], valkey.url, logs, env=gateway_env, extra=gateway_extra,
                            engine_token=ENGINE_TOKEN)  # fmt: skip

@@ -118,7 +118,7 @@ def test_tenant_names_and_hardening_settings(tmp_path: Path) -> None:
         (),
         1024,
         0.5,
-        5.0,
+        0.5,
     )
     assert cfg.engine_token == "file-token-0123456789" and "file-token" not in repr(cfg)
     # The variable wins over the file; flags set the rest.

@@ -129,7 +129,7 @@ def test_full_engine_queue_is_429_with_retry_after_from_the_drain_rate(
         for refused in (r for r in answers if r.status_code == 429):
             err = refused.json()["error"]
             assert err["code"] == 429 and "queue is full" in err["message"]
-            # Retry-After is the time the requests ahead take at the measured drain rate (the
+            # Retry-After is the time until room (the requests ahead of it) at the measured drain rate (the
             # message shows the figures), or, before any request finished, the age of the busy spell.
             wait = int(refused.headers["retry-after"])
             assert f"retry after {wait} s" in err["message"]

@@ -53,8 +53,8 @@ def test_schemathesis_finds_no_5xx_and_only_the_error_shape(gateway: Proc) -> No
     print("gateway:", report.summary())
     assert not report.failures, "\n".join(report.failures)
     # Every documented operation in both modes (but NEGATIVE for those with no inputs to break):
-    # 11 of chat, completions, tokens, models, sessions, cache, health; 5 of the agent APIs
-    assert len(report.by_operation) + len(report.no_cases) == 2 * 16
+    # 12 of chat, completions, tokens, models, sessions, cache, health, metrics; 5 of the agent APIs
+    assert len(report.by_operation) + len(report.no_cases) == 2 * 17
     assert {label.rsplit(" ", 1)[0] for label in report.by_operation} >= {
         "POST /v1/responses", "GET /v1/responses/{response_id}", "DELETE /v1/responses/{response_id}",
         "POST /v1/messages", "POST /v1/messages/count_tokens",

@@ -127,6 +127,19 @@ def chat(compose: Compose, key: str, session: str, body: dict[str, Any]) -> dict
     return reply
 
 
+def session_turns(compose: Compose, key: str, session: str) -> int:
+    """The session's recorded turns, as the gateway reports them once it sees Redis again."""
+    url = f"http://127.0.0.1:{compose.env['KEEPWARM_API_HOST_PORT']}/v1/sessions/{session}"
+    deadline = time.monotonic() + 30
+    while True:
+        status, reply = http_json(url, headers={"Authorization": f"Bearer {key}"})
+        if status != 503 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert status == 200, (status, reply)
+    return int(reply["session"]["turns"])
+
+
 def cached(reply: dict[str, Any]) -> tuple[int, str]:
     usage = reply["usage"]
     return usage["prompt_tokens_details"]["cached_tokens"], usage["timings"]["cache_source"]
@@ -185,6 +198,13 @@ def test_zero_config_stack_caches_and_restores_from_disk(stack: Compose) -> None
     body2 = next_turn(body, turn1, "Tell me more.")
     turn2 = chat(compose, key, "s1", body2)
     assert cached(turn2)[0] > 0, turn2["usage"]
+
+    # Valkey killed (SIGKILL: no save on the way out) and started again: the session's two turns
+    # are still there, from its append-only file on the redis-data volume.
+    compose.run("kill", "redis")
+    compose.run("start", "redis")
+    compose.wait_healthy({"redis"}, timeout=120)
+    assert session_turns(compose, key, "s1") == 2
 
     # A restarted engine has an empty RAM tier: turn 3 comes from the disk cache on the volume.
     compose.run("restart", "engine")

@@ -270,13 +270,20 @@ class ModelSet:
                     return name, engine, first
         return None
 
+    def _loaded_now(self) -> list[Engine]:
+        """The loaded engines, read without the lock: /health and the 429 path call this on the
+        event loop, which must never wait for a load or a park (a park holds the lock while it
+        waits out the model's step and flushes its disk writer). A slot's engine is one
+        reference, swapped whole, so the read is a consistent view of each slot."""
+        return [e for e in (s.engine for s in list(self.slots.values())) if e is not None]
+
     @property
     def num_running(self) -> int:
-        return sum(len(e.scheduler.running) for e in self.engines())
+        return sum(len(e.scheduler.running) for e in self._loaded_now())
 
     @property
     def num_waiting(self) -> int:
-        return sum(e.num_waiting for e in self.engines())
+        return sum(e.num_waiting for e in self._loaded_now())
 
     def close(self) -> None:
         with self.lock:

@@ -239,6 +239,8 @@ def _present(data: wire.T | None) -> wire.T:
 
 # The error statuses each generating endpoint answers with (documented in /schema).
 _GENERATE_ERRORS = wire.error_responses(400, 401, 404, 413, 429)
+# Seconds an idle client connection is kept open.
+KEEP_ALIVE_S = 75
 
 
 def create_app(models: ModelSet, cfg: EngineConfig) -> Litestar:
@@ -275,13 +277,15 @@ def create_app(models: ModelSet, cfg: EngineConfig) -> Litestar:
         if isinstance(e, RequestError):
             return Response(error_body(str(e), e.status, e.param), status_code=e.status)
         if isinstance(e, QueueFull):
-            depth, rate = worker.depth, drain.rate()
-            wait = drain.retry_after_s(depth)
+            # Room for one more once this many requests have drained (a finish admits a waiting
+            # one): the wait for that, not for the whole queue, is the honest Retry-After.
+            ahead, rate = max(1, worker.num_waiting - cfg.queue_size + 1), drain.rate()
+            wait = drain.retry_after_s(ahead)
             pace = f"draining at {rate:.3f} requests/s" if rate is not None else "no drain rate measured yet"
             return Response(
                 error_body(
-                    f"the engine queue is full ({cfg.queue_size} requests); {depth} requests ahead, "
-                    f"{pace}; retry after {wait} s",
+                    f"the engine queue is full ({cfg.queue_size} requests waiting); room after {ahead} "
+                    f"requests ahead finish, {pace}; retry after {wait} s",
                     429,
                 ),
                 status_code=429,
@@ -757,7 +761,16 @@ def serve(cfg: EngineConfig) -> None:
     if not cfg.engine_token:
         print("warning: no KEEPWARM_ENGINE_TOKEN: this engine serves anyone who reaches its port", flush=True)
     server = uvicorn.Server(
-        uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=5)
+        uvicorn.Config(
+            app,
+            host=cfg.host,
+            port=cfg.port,
+            log_level="warning",
+            timeout_graceful_shutdown=5,
+            # Longer than any client's idle keep-alive (the gateway's is 5 s): the client, not the
+            # engine, closes an idle connection, so no request goes out on one being closed.
+            timeout_keep_alive=KEEP_ALIVE_S,
+        )
     )
     worker: Worker = app.state.worker
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from keepwarm.engine.config import ConfigError, add_engine_args, config_from
-from keepwarm.engine.serving.model_set import served_configs, weight_bytes
+from keepwarm.engine.serving.model_set import ModelSet, served_configs, weight_bytes
 from tests.api.procs import Proc, start_engine
 from tests.engine.serving.test_server import metric
 
@@ -51,6 +52,25 @@ def test_several_models_from_flags_or_a_folder(models_folder: Path) -> None:
     assert single.models == () and [c.served_name for c in served_configs(single)] == ["alpha"]  # type: ignore[attr-defined,arg-type]
     with pytest.raises(ConfigError, match="--model-name names one model"):
         _parse(["--model", str(models_folder), "--model-name", "x"])
+
+
+def test_queue_figures_never_wait_for_a_load_or_a_park(models_folder: Path, tmp_path: Path) -> None:
+    """/health reads running / waiting on the event loop; a park holds the set's lock while it
+    waits out a step and flushes the disk writer, so the figures must not take that lock."""
+    cfg = _parse(["--model", str(models_folder), "--cache-dir", str(tmp_path), "--dtype", "float32"])
+    models = ModelSet(served_configs(cfg), 0)  # type: ignore[arg-type]
+    try:
+        slot, engine = models.acquire("alpha")
+        models.release(slot)
+        figures: list[int] = []
+        with models.lock:  # a load or a park in progress, in another thread
+            reader = threading.Thread(target=lambda: figures.extend([models.num_running, models.num_waiting]))
+            reader.start()
+            reader.join(timeout=30)
+            assert not reader.is_alive(), "the queue figures waited for the set's lock"
+        assert figures == [0, 0]
+    finally:
+        models.close()
 
 
 @pytest.fixture(scope="module")
