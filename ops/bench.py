@@ -5,6 +5,8 @@
   ops/bench cache  [--model DIR] [--json PATH]   cold vs warm TTFT (RAM, disk), restore bandwidth
   ops/bench serve  [--model DIR] [--json PATH]   concurrent streams: decode scaling, multi-user chat TTFT,
                                                  agents in tool loops over a long system prompt
+  ops/bench peer   [--model GGUF] [--json PATH]  keepwarm vs llama.cpp's llama-server on the same file,
+                                                 interleaved rounds, ratios keepwarm / llama.cpp (ops/peer.py)
 
 Speed lives here, never in tests.
 """
@@ -752,7 +754,7 @@ def bench_serve(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["engine", "cache", "serve"])
+    p.add_argument("what", choices=["engine", "cache", "serve", "peer"])
     p.add_argument(
         "--model",
         type=packaged_model.resolve,
@@ -784,6 +786,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--agents", type=int, default=4, help="serve: agents at once (0: no agent workload)")
     p.add_argument("--agent-steps", type=int, default=8, help="serve: tool-loop steps per agent")
     p.add_argument("--no-reference", action="store_true", help="engine: skip the transformers reference")
+    p.add_argument(
+        "--peer-bin",
+        type=Path,
+        default=None,
+        help="peer: the folder holding llama-server (default: built once by ops/build-peer)",
+    )
+    p.add_argument("--rounds", type=int, default=2, help="peer: interleaved rounds per server")
+    p.add_argument(
+        "--peer-workload",
+        default="",
+        help="peer: sizes other than the defaults, e.g. long_tokens=128,users=2 (see ops/peer.py Workload)",
+    )
+    p.add_argument(
+        "--idle-wait", type=float, default=300, help="peer: seconds to wait for a load average under 1"
+    )
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     from keepwarm.engine.config import DTYPES
@@ -793,6 +810,18 @@ def main(argv: list[str] | None = None) -> int:
             a.model, DTYPES[a.dtype], a.prompt_tokens, a.decode_tokens, a.chunk, not a.no_reference
         )
         result.update(bench_start(a.model, a.dtype, a.threads))
+    elif a.what == "peer":
+        import dataclasses
+
+        import peer
+
+        sizes = dict(kv.split("=", 1) for kv in a.peer_workload.split(",") if kv)
+        known = {f.name for f in dataclasses.fields(peer.Workload)}
+        if set(sizes) - known:
+            p.error(f"--peer-workload: unknown {sorted(set(sizes) - known)}; known: {sorted(known)}")
+        work = peer.Workload(**{k: int(v) for k, v in sizes.items()})
+        bin_dir = a.peer_bin if a.peer_bin is not None else peer.default_peer_bin()
+        result = peer.bench_peer(a.model, a.threads, bin_dir, a.rounds, a.idle_wait, work, a.dtype)
     elif a.what == "cache":
         result = bench_cache(a.model, a.dtype, a.prompt_tokens, a.threads, a.deterministic == "true")
     else:

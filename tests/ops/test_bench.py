@@ -7,21 +7,24 @@ then each turn's new tokens)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 BENCH = Path(__file__).resolve().parents[2] / "ops" / "bench.py"
+STANDIN = Path(__file__).with_name("peer_standin.py")
 
 
-def _bench(tmp_path: Path, *args: str) -> dict[str, Any]:
+def _bench(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
     out = tmp_path / f"{args[0]}.json"
     proc = subprocess.run(
         [sys.executable, str(BENCH), *args, "--dtype", "float32", "--threads", "1", "--json", str(out)],
         capture_output=True,
         text=True,
         timeout=600,
+        env={**os.environ, **(env or {})},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result: dict[str, Any] = json.loads(out.read_text())
@@ -78,3 +81,65 @@ def test_bench_engine_reports_the_start_times(tiny_dense_model: Path, tmp_path: 
     assert r["start_calibration_at_ready"] in ("waiting", "running", "done")
     assert r["start_calibration_warm"] == "persisted"
     assert r["kernels_prebuilt"] in (True, False, None)
+
+
+def test_bench_peer_reports_every_ratio_against_a_stand_in_peer(
+    tiny_dense_model: Path, tmp_path: Path
+) -> None:
+    """`ops/bench peer` end to end, with a stand-in answering for llama-server (building
+    llama.cpp takes ~20 minutes: never in ops/test) and the demo model for keepwarm (its real
+    runs are on GGUF files, which the stand-in does not read). What is checked is what the
+    figures must mean, not their size."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    server = bin_dir / "llama-server"
+    server.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{STANDIN}" "$@"\n')
+    server.chmod(0o755)
+    log = tmp_path / "standin.jsonl"
+    sizes = (
+        "long_tokens=96,short_tokens=32,system_tokens=64,decode_tokens=6,reply_tokens=4,users=2,user_rounds=2"
+    )
+    r = _bench(tmp_path, "peer", "--model", str(tiny_dense_model), "--peer-bin", str(bin_dir), "--rounds", "2",
+               "--idle-wait", "0", "--peer-workload", sizes, env={"PEER_STANDIN_LOG": str(log)})  # fmt: skip
+    assert r["rounds"] == 2 and r["workload"]["users"] == 2
+    pairs = {
+        "prefill_ratio": "prefill_tok_s", "decode_ratio_256": "decode_tok_s_short",
+        "decode_ratio_2048": "decode_tok_s_long", "turn2_ttft_ratio": "turn2_ttft_s",
+        "restart_ttft_ratio": "restart_ttft_s", "chat8_p50_ratio": "chat8_p50_s", "chat8_p90_ratio": "chat8_p90_s",
+        "start_ratio": "restart_start_s", "rss_ratio": "rss_bytes",
+    }  # fmt: skip
+    for ratio, figure in pairs.items():
+        kw, peer = r[f"keepwarm_{figure}"], r[f"llama_{figure}"]
+        assert kw > 0 and peer > 0, figure
+        assert r[ratio] == kw / peer, ratio  # keepwarm / llama.cpp, as documented
+        assert r["directions"][ratio] in ("higher is keepwarm ahead", "lower is keepwarm ahead")
+        assert r["targets"][ratio]["met"] is (
+            r[ratio] >= float(r["targets"][ratio]["target"][3:])
+            if r["targets"][ratio]["target"].startswith(">=")
+            else r[ratio] <= float(r["targets"][ratio]["target"][3:])
+        )
+        lo, hi = r[f"keepwarm_{figure}_spread"]
+        assert lo <= kw <= hi  # the median of the rounds lies within their spread
+    # keepwarm: turn 2 from its RAM tier, and the follow-up after a restart from its disk cache
+    assert r["keepwarm_turn2_cached_tokens"] > 64 and r["keepwarm_restart_cached_tokens"] > 64
+    # The peer was asked as llama-server is: no prompt cache for the cold and decode figures, the
+    # prompt cache for conversations, and the slot saved before its restart and restored after.
+    sent = [json.loads(line) for line in log.read_text().splitlines()]
+    chats = [s["body"] for s in sent if s["path"] == "/v1/chat/completions"]
+    # per round: the cold prompt and the two decode contexts, three turns, 2 users x 2 turns
+    assert [c["cache_prompt"] for c in chats] == ([False] * 3 + [True] * 3 + [True] * 4) * 2
+    slots = [s["query"] for s in sent if s["path"] == "/slots/0"]
+    assert slots == ["action=save", "action=restore"] * 2
+    # README's "versus llama.cpp" table, written from this result between its markers.
+    sys.path.insert(0, str(BENCH.parent))
+    import peer
+
+    readme = "intro\n" + peer.README_BEGIN + "\nold\n" + peer.README_END + "\nrest\n"
+    table = peer.readme_table(r, "a test machine", "2026-12-04")
+    assert (
+        peer.render_readme(readme, table) == f"intro\n{peer.README_BEGIN}\n{table}\n{peer.README_END}\nrest\n"
+    )
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "keepwarm /" not in line]
+    assert len(rows) == len(pairs)
+    assert f"| {r['prefill_ratio']:.2f} (higher is keepwarm ahead) |" in table
+    assert f"| {r['turn2_ttft_ratio']:.2f} (lower is keepwarm ahead) |" in table
