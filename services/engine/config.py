@@ -14,10 +14,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
+from urllib.parse import urlsplit
 
 import torch
 
 from keepwarm import settings as keepwarm_settings
+from keepwarm.engine.cache.index_protocol import INDEX_KINDS
 from keepwarm.engine.cache.policy import Policy, parse_policy
 from keepwarm.engine.loading import packaged_model
 from keepwarm.settings import SettingsError, add_arguments, internal, parse_bool, setting
@@ -152,6 +154,18 @@ class EngineConfig:
         parse=_min_free_disk,
         show=format_size,
         help="free-disk floor (`auto`: 5 % of the volume, at most 1 GiB)",
+    )
+    cache_index: str = setting(
+        "sqlite",
+        help="where the disk tier's index lives: `sqlite` (a file in the folder; every engine on the "
+        "folder runs on one host) or `redis` (a Valkey/Redis server at `--cache-index-url`; engines on "
+        "several hosts share the folder, e.g. a ReadWriteMany volume, where SQLite's WAL cannot work)",
+    )
+    cache_index_url: str = setting(
+        "",
+        default_text="(none)",
+        help="the Valkey/Redis server of `--cache-index redis`, e.g. `redis://valkey:6379/1` (keys are "
+        "namespaced by the folder's id, `<cache-dir>/index.id`)",
     )
     memory_budget: int = size_setting(2 * 1024**3, help="RAM tier byte budget (0 turns it off)")
     min_tokens: int = setting(64, help="never cache a prefix shorter than this")
@@ -297,6 +311,26 @@ class EngineConfig:
         if self.writer_nice and sys.platform != "linux":
             raise ConfigError(
                 f"--writer-nice needs Linux (a nice value per thread); leave it 0 on {sys.platform}"
+            )
+        if self.cache_index not in INDEX_KINDS:
+            raise ConfigError(
+                f"--cache-index {self.cache_index!r}: use sqlite (one host) or redis (a folder shared "
+                "by several hosts, with --cache-index-url)"
+            )
+        if self.cache_index == "redis" and not self.cache_index_url:
+            raise ConfigError(
+                "--cache-index redis needs --cache-index-url (KEEPWARM_CACHE_INDEX_URL), "
+                "e.g. redis://valkey:6379/1"
+            )
+        if self.cache_index == "sqlite" and self.cache_index_url:
+            raise ConfigError(
+                "--cache-index-url is set but --cache-index is sqlite: set --cache-index redis to use "
+                "that server, or drop --cache-index-url"
+            )
+        if self.cache_index_url and urlsplit(self.cache_index_url).scheme not in ("redis", "rediss", "unix"):
+            raise ConfigError(
+                f"--cache-index-url {self.cache_index_url!r}: use redis://HOST:PORT/DB, rediss:// (TLS) "
+                "or unix:///path/to/socket"
             )
         if self.writer_queue_bytes < 1:
             raise ConfigError("--writer-queue-bytes must be >= 1 byte")

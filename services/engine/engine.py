@@ -133,6 +133,8 @@ class Engine:
                 queue_bytes=cfg.writer_queue_bytes,
                 writer_nice=cfg.writer_nice,
                 fsync=cfg.fsync,
+                index=cfg.cache_index,
+                index_url=cfg.cache_index_url or None,
             )
             disk.start()
         self.cache = PrefixCache(self.namespace, memory, disk, self._validate)

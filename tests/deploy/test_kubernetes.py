@@ -344,17 +344,20 @@ def test_volumes_are_defined_and_mounted(manifests: Manifests) -> None:
     assert {"keepwarm-models"} <= claims
 
 
-def test_network_policies_admit_only_the_gateway(manifests: Manifests) -> None:
-    gateway = manifests.workload("gateway")
+def test_network_policies_admit_only_their_clients(manifests: Manifests) -> None:
+    """The engines admit the gateway; Valkey admits the gateway and the engines (their disk
+    cache's index); nothing admits the dashboard."""
+    admitted = {"engine": ["gateway"], "valkey": ["gateway", "engine"]}
     policies = manifests.all("NetworkPolicy")
-    assert {component_of(p) for p in policies} == {"engine", "valkey"}
+    assert {component_of(p) for p in policies} == set(admitted)
     for policy in policies:
         target = manifests.workload(component_of(policy))
         assert selects(policy["spec"]["podSelector"]["matchLabels"], pod_labels(target))
         (rule,) = policy["spec"]["ingress"]
-        (source,) = rule["from"]
-        assert selects(source["podSelector"]["matchLabels"], pod_labels(gateway))
-        assert not selects(source["podSelector"]["matchLabels"], pod_labels(manifests.workload("dashboard")))
+        sources = [source["podSelector"]["matchLabels"] for source in rule["from"]]
+        for source, component in zip(sources, admitted[component_of(policy)], strict=True):
+            assert selects(source, pod_labels(manifests.workload(component)))
+        assert not any(selects(source, pod_labels(manifests.workload("dashboard"))) for source in sources)
         main = containers(target, init=False)[0]
         assert [p["port"] for p in rule["ports"]] == [p["containerPort"] for p in main["ports"]]
 
@@ -582,6 +585,10 @@ def test_the_services_settings_agree_with_the_manifests(manifests: Manifests) ->
     redis = urlsplit(gateway.redis_url)
     valkey = manifests.one("Service", redis.hostname or "")
     assert component_of(valkey) == "valkey" and redis.port == valkey["spec"]["ports"][0]["port"]
+    # the engines' shared cache folder has its index in that Valkey, apart from the gateway's data
+    assert engine.cache_index == "redis"
+    index = urlsplit(engine.cache_index_url)
+    assert (index.hostname, index.port) == (redis.hostname, redis.port) and index.path != redis.path
     assert gateway.api_keys == {"key-one": "tenant-a", "key-two": "tenant-b"}
     assert gateway.secret == SECRETS["KEEPWARM_SECRET"].encode()
     assert gateway.engine_token == engine.engine_token == SECRETS["KEEPWARM_ENGINE_TOKEN"]

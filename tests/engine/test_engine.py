@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import redis
 
 from keepwarm.engine.cache.policy import Policy
 from keepwarm.engine.cache.prefix_cache import SessionHint
@@ -21,6 +22,7 @@ from keepwarm.engine.config import ConfigError, EngineConfig
 from keepwarm.engine.engine import Engine, Prompt
 from keepwarm.engine.generation.request import FinishEvent, GenerateRequest, RequestError
 from keepwarm.engine.generation.sampling import SamplingParams
+from tests.api.procs import start_valkey
 
 USER_TURNS = [
     "Tell me about the river and the old mill near the village.",
@@ -167,6 +169,32 @@ def test_writer_settings_reach_the_disk_tier(tiny_dense_model: Path, tmp_path: P
         assert disk.stats().saves >= 1
     finally:
         engine.close()
+
+
+def test_the_cache_index_setting_reaches_the_disk_tier(tiny_dense_model: Path, tmp_path: Path) -> None:
+    """--cache-index redis: the engine's disk tier keeps its index in that Valkey (folder-namespaced)."""
+    valkey = start_valkey(tmp_path / "valkey")
+    try:
+        cfg = _cfg(tiny_dense_model, tmp_path / "c", cache_index="redis", cache_index_url=valkey.url)
+        engine = Engine(cfg)
+        try:
+            disk = engine.cache.disk
+            assert disk is not None and (disk.index_kind, disk.index_url) == ("redis", valkey.url)
+            engine.complete(
+                _req([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hello"}])
+            )
+            engine.flush()
+            assert disk.stats().saves >= 1 and disk.stats().errors_by_kind == {}
+            folder = (tmp_path / "c" / "index.id").read_text().strip()
+            rows = redis.Redis.from_url(valkey.url).hlen(
+                f"keepwarm:cache:{{{folder}}}:rows:{engine.namespace}"
+            )
+            assert rows == disk.stats().num_entries >= 1
+            assert not (tmp_path / "c" / "index.sqlite3").exists()
+        finally:
+            engine.close()
+    finally:
+        valkey.stop()
 
 
 def test_writer_nice_is_refused_off_linux(tiny_dense_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:

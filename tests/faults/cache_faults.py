@@ -1,12 +1,13 @@
 """Shared pieces of the disk cache fault tests (tests/faults/test_cache_*.py) and their
-worker process (cache_fault_worker.py): synthetic snapshots, keys, a cache opener, and a
-flush that fails instead of hanging when the writer thread is dead."""
+worker process (cache_fault_worker.py): synthetic snapshots, keys, a cache opener (either
+index backend), and a flush that fails instead of hanging when the writer thread is dead."""
 
 from __future__ import annotations
 
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine" / "cache"))
 
@@ -45,9 +46,17 @@ def key_of(tokens: list[int], ns: str = NAMESPACE) -> str:
     return prefix_key(ns, "", tokens)
 
 
-def open_cache(root: Path, *, ns: str = NAMESPACE, budget: int = 1 << 30, **kw: object) -> DiskCache:
+def index_args(url: str | None) -> dict[str, Any]:
+    """DiskCache arguments for the index backend: SQLite without a URL, else Valkey at `url`."""
+    return {"index": "redis", "index_url": url} if url else {}
+
+
+def open_cache(
+    root: Path, *, ns: str = NAMESPACE, budget: int = 1 << 30, index_url: str | None = None, **kw: object
+) -> DiskCache:
     kw.setdefault("min_free_bytes", 0)
     kw.setdefault("fsync", False)
+    kw.update(index_args(index_url))
     return DiskCache(root, ns, budget_bytes=budget, **kw).start()  # type: ignore[arg-type]
 
 

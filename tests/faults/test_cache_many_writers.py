@@ -1,11 +1,13 @@
 """Several writer processes on one cache folder (issue 17 item 1): each publishes
 atomically and never rewrites another's entry, they share hit statistics and one byte
 budget, and no two of them evict the same file: every file published is either on disk
-at the end or counted as evicted by exactly one process."""
+at the end or counted as evicted by exactly one process. With either index backend: SQLite
+in the folder, or Valkey (--cache-index redis, the multi-host one)."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -35,14 +37,18 @@ def _usage(root: Path) -> int:
     return sum(sizes.values())
 
 
-def test_writers_share_one_budget_and_evict_each_file_once(tmp_path: Path) -> None:
+def test_writers_share_one_budget_and_evict_each_file_once(
+    tmp_path: Path, cache_index_url: str | None
+) -> None:
     root, go = tmp_path / "cache", tmp_path / "go"
+    env = {**os.environ, "CACHE_FAULT_INDEX_URL": cache_index_url or ""}
     procs = [
         subprocess.Popen(
             [sys.executable, str(WORKER), "share", str(root), str(BUDGET), str(lo), str(hi), str(go)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            env=env,
         )
         for lo, hi in RANGES
     ]
@@ -94,7 +100,7 @@ def test_writers_share_one_budget_and_evict_each_file_once(tmp_path: Path) -> No
             0,
         )
 
-    c = open_cache(root, budget=BUDGET)
+    c = open_cache(root, budget=BUDGET, index_url=cache_index_url)
     info = {e.key: e for e in c.entries()}
     assert set(info) == files
     hits = sum(s["hits"] for s in stats)

@@ -1,7 +1,11 @@
 """The persistent prefix cache: snapshot files under one folder (docs/architecture.md, 'Disk tier').
 
-Layout: `<root>/<namespace>/<key[:2]>/<key>.safetensors` (snapshot_file.py), and
-`<root>/index.sqlite3`, the index shared by every process on the folder (index.py).
+Layout: `<root>/<namespace>/<key[:2]>/<key>.safetensors` (snapshot_file.py), and the
+index shared by every process on the folder (index_protocol.py), picked by `index`:
+`<root>/index.sqlite3` (index.py, one host), or a Valkey server at `index_url`
+(valkey_index.py, several hosts on one shared folder; `<root>/index.id` names the folder
+there). Without a reachable index a lookup is a miss and a save is not written (counted in
+`errors_by_kind`), and serving goes on.
 
 The folder is the cache's alone. It is walked with directory fds and lstat
 semantics (a link is never followed: not a namespace, a shard or a file), and the
@@ -65,7 +69,6 @@ import queue
 import secrets
 import shutil
 import socket
-import sqlite3
 import stat
 import sys
 import threading
@@ -76,6 +79,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from keepwarm.engine.cache.index import EVICTING, LIVE, NAME, WRITING, CacheIndex, Claim, Row, decay
+from keepwarm.engine.cache.index_protocol import INDEX_ERRORS, INDEX_KINDS, Index
 from keepwarm.engine.cache.snapshot import Snapshot
 from keepwarm.engine.cache.snapshot_file import (
     SUFFIX,
@@ -240,6 +244,8 @@ class DiskCache:
         disk_total: Callable[[Path], int] = _disk_total,
         block_bytes: int = 4096,
         index_slack: int = 64 << 10,
+        index: str = "sqlite",
+        index_url: str | None = None,
     ) -> None:
         if not NAME.fullmatch(namespace):
             raise ValueError(
@@ -263,6 +269,10 @@ class DiskCache:
             raise ValueError(f"half_life_s must be > 0, got {half_life_s}")
         if refresh_s <= 0:
             raise ValueError(f"refresh_s must be > 0, got {refresh_s}")
+        if index not in INDEX_KINDS:
+            raise ValueError(f"index must be one of {', '.join(INDEX_KINDS)}, got {index!r}")
+        if (index == "redis") != bool(index_url):
+            raise ValueError("index_url is wanted with index='redis' and only then")
         self.root = Path(root)
         self.namespace = namespace
         self.folder = self.root / namespace
@@ -280,6 +290,8 @@ class DiskCache:
         self._disk_total = disk_total
         self.block_bytes = max(1, block_bytes)  # a file takes whole blocks of the volume ...
         self.index_slack = index_slack  # ... and the index's WAL grows: kept free with the floor
+        self.index_kind = index
+        self.index_url = index_url
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self._lock = threading.RLock()
         self._pending: set[str] = set()
@@ -291,8 +303,8 @@ class DiskCache:
         self._n = _Counters()
         self._foreign: Counter[str] = Counter()
         self._logged: set[str] = set()
-        self._idx: CacheIndex | None = None  # request side
-        self._widx: CacheIndex | None = None  # writer thread (and start/close)
+        self._idx: Index | None = None  # request side
+        self._widx: Index | None = None  # writer thread (and start/close)
         self._last_upkeep = 0.0
         self._last_heartbeat = 0.0
         self._final_usage: dict[str, tuple[int, int]] = {}
@@ -306,8 +318,8 @@ class DiskCache:
         self.root.mkdir(parents=True, exist_ok=True)
         if self._min_free_arg is None:
             self.min_free_bytes = default_min_free(self._disk_total(self.root))
-        self._widx = CacheIndex(self.root, owner=self.owner)
-        self._idx = CacheIndex(self.root, owner=self.owner)
+        self._widx = self._open_index()
+        self._idx = self._open_index()
         self._heartbeat()
         self._reconcile(clean_tmp=True)
         self._make_room(0)
@@ -316,6 +328,15 @@ class DiskCache:
         )
         self._thread.start()
         return self
+
+    def _open_index(self) -> Index:
+        """The one place the index's backend is chosen (`index`)."""
+        if self.index_kind == "redis":
+            from keepwarm.engine.cache.valkey_index import ValkeyIndex  # needs the redis client
+
+            assert self.index_url is not None
+            return ValkeyIndex(self.root, owner=self.owner, url=self.index_url)
+        return CacheIndex(self.root, owner=self.owner)
 
     def close(self) -> None:
         """Drain the queue (every accepted save is written), then stop the writer."""
@@ -331,7 +352,7 @@ class DiskCache:
             self._guard("index", self._widx.leave)
             self._widx.close()
         if self._idx is not None:
-            with contextlib.suppress(sqlite3.Error):
+            with contextlib.suppress(*INDEX_ERRORS):
                 self._final_usage = self._idx.usage().by_namespace  # stats() after close
             self._idx.close()
 
@@ -359,7 +380,7 @@ class DiskCache:
                 return True
         try:
             row = self._ridx().get(self.namespace, key)
-        except sqlite3.Error as e:
+        except INDEX_ERRORS as e:
             self._error("index", e)
             with contextlib.suppress(OSError):
                 return stat.S_ISREG(os.lstat(path).st_mode)
@@ -371,7 +392,7 @@ class DiskCache:
         indexed query, cached until any process changes the index."""
         try:
             return set(self._ridx().lengths(self.namespace))
-        except sqlite3.Error as e:
+        except INDEX_ERRORS as e:
             self._error("index", e)
             return set()
 
@@ -428,7 +449,7 @@ class DiskCache:
         """True when any process stores or writes `key` (the index says so)."""
         try:
             return self._ridx().get(self.namespace, key) is not None
-        except sqlite3.Error as e:
+        except INDEX_ERRORS as e:
             self._error("index", e)
             return False
 
@@ -483,7 +504,7 @@ class DiskCache:
             adopt = Row(self.namespace, key, len(tokens), snapshot.position, size, now) if size else None
             try:
                 self._ridx().record_hit(self.namespace, key, now, self.half_life_s, adopt)
-            except sqlite3.Error as e:
+            except INDEX_ERRORS as e:
                 self._error("index", e)
             return snapshot
         finally:
@@ -518,7 +539,7 @@ class DiskCache:
         if not self._closed:
             try:
                 by_ns = self._ridx().usage().by_namespace
-            except sqlite3.Error as e:
+            except INDEX_ERRORS as e:
                 self._error("index", e)
         with self._lock:
             n = self._n
@@ -551,7 +572,7 @@ class DiskCache:
         now = self._clock()
         try:
             rows = self._ridx().rows()
-        except sqlite3.Error as e:
+        except INDEX_ERRORS as e:
             self._error("index", e)
             return []
         out = [
@@ -589,11 +610,11 @@ class DiskCache:
             raise ValueError(f"key {key!r} must be 4-128 chars of [0-9A-Za-z_-] (use prefix_key())")
         return self.root / namespace / key[:2] / f"{key}{SUFFIX}"
 
-    def _ridx(self) -> CacheIndex:
+    def _ridx(self) -> Index:
         assert self._idx is not None, "DiskCache used before start()"
         return self._idx
 
-    def _widx_(self) -> CacheIndex:
+    def _widx_(self) -> Index:
         assert self._widx is not None, "DiskCache used before start()"
         return self._widx
 
@@ -645,7 +666,7 @@ class DiskCache:
         try:
             if not os.path.lexists(self._path(namespace, key)):
                 self._ridx().remove([(namespace, key)])
-        except sqlite3.Error as e:
+        except INDEX_ERRORS as e:
             self._error("index", e)
 
     def _reject(self, namespace: str, key: str, reason: str, detail: str, *, count_miss: bool = True) -> bool:
@@ -666,7 +687,7 @@ class DiskCache:
             )
         try:
             self._ridx().remove([(namespace, key)], states=(LIVE,))
-        except sqlite3.Error as e:
+        except INDEX_ERRORS as e:
             self._error("index", e)
         return deleted
 
@@ -849,9 +870,10 @@ class DiskCache:
 
     # ---- internals: budget and eviction ----------------------------------------------
 
-    def _protected_row(self, r: Row) -> bool:
+    def _protected_keys(self) -> frozenset[str]:
+        """Keys of this namespace never to evict now: pending and protected ones."""
         with self._lock:
-            return r.namespace == self.namespace and (r.key in self._pending or r.key in self._protected)
+            return frozenset(self._pending) | frozenset(self._protected)
 
     def _floor_deficit(self, incoming: int) -> int:
         """Bytes to free so `incoming` more bytes keep the free-space floor (≤ 0: none).
@@ -870,13 +892,13 @@ class DiskCache:
             incoming=incoming,
             budget=self.budget_bytes,
             floor_deficit=self._floor_deficit(incoming) if floor_deficit is None else floor_deficit,
-            protected=self._protected_row,
+            protected=self._protected_keys(),
             now=self._clock(),
             wall=time.time(),
             half_life=self.half_life_s,
         )
 
-    def _delete_claimed(self, idx: CacheIndex, victims: Sequence[Row], *, count: bool = True) -> int:
+    def _delete_claimed(self, idx: Index, victims: Sequence[Row], *, count: bool = True) -> int:
         """Delete the files of claimed evictions (ours only), then their rows."""
         deleted = 0
         for v in victims:

@@ -1,5 +1,7 @@
 """The disk cache's index: one SQLite database in WAL mode per cache folder
-(`<root>/index.sqlite3`), shared by every process using the folder.
+(`<root>/index.sqlite3`), shared by every process using the folder. (For a folder shared by
+several hosts the index lives in Valkey instead: valkey_index.py; index_protocol.py is the
+interface both implement. The row model below is shared by both.)
 
 It holds one row per snapshot file of every namespace: where it is, what it covers
 (tokens, position), its size and creation time, and its hit statistics (count,
@@ -36,7 +38,7 @@ import re
 import sqlite3
 import stat
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,7 +137,7 @@ class Row:
         )
 
 
-def _valid(raw: Sequence[object]) -> Row | None:
+def valid_row(raw: Sequence[object]) -> Row | None:
     """A Row from a database row, or None when any field is garbage."""
     try:
         ns, key, path, tokens, position, nbytes, created, state, owner, since, hits, dec, ref, last = raw
@@ -280,7 +282,7 @@ class CacheIndex:
         """Valid rows of a SELECT of every column, and how many garbage rows it returned."""
         good, bad = [], 0
         for raw in self._conn.execute(sql, tuple(args)):
-            row = _valid(raw)
+            row = valid_row(raw)
             if row is None:
                 bad += 1
             else:
@@ -376,7 +378,7 @@ class CacheIndex:
         incoming: int,
         budget: int,
         floor_deficit: int,
-        protected: Callable[[Row], bool],
+        protected: Collection[str],
         now: float,
         wall: float,
         half_life: float,
@@ -385,7 +387,7 @@ class CacheIndex:
         excess (every LIVE and WRITING row counts) or `floor_deficit`, whichever is
         larger. Victims, in order: LIVE entries of namespaces no running engine uses
         (oldest first), then LIVE entries of every namespace in use, `protected` ones
-        excepted, by ascending score, least recently used first. They are marked
+        excepted (keys of `namespace`), by ascending score, least recently used first. They are marked
         EVICTING for this owner and `reserve` (a WRITING row) is inserted, all or
         nothing. The caller deletes the victims' files, then `forget_evicted`."""
         try:
@@ -402,7 +404,7 @@ class CacheIndex:
         incoming: int,
         budget: int,
         floor_deficit: int,
-        protected: Callable[[Row], bool],
+        protected: Collection[str],
         now: float,
         wall: float,
         half_life: float,
@@ -430,7 +432,11 @@ class CacheIndex:
                     (r for r in live if r.namespace not in active), key=lambda r: (r.created, r.key)
                 )
                 used = sorted(
-                    (r for r in live if r.namespace in active and not protected(r)),
+                    (
+                        r
+                        for r in live
+                        if r.namespace in active and not (r.namespace == namespace and r.key in protected)
+                    ),
                     key=lambda r: (r.score(now, half_life), max(r.last_used, r.created), r.key),
                 )
                 for r in idle + used:
@@ -519,7 +525,7 @@ class CacheIndex:
     def _drop_garbage(self, c: sqlite3.Connection) -> int:
         """Delete every row that does not validate; the number deleted."""
         bad = [
-            (raw[0], raw[1]) for raw in c.execute(f"SELECT {_COLUMNS} FROM entries") if _valid(raw) is None
+            (raw[0], raw[1]) for raw in c.execute(f"SELECT {_COLUMNS} FROM entries") if valid_row(raw) is None
         ]
         c.executemany("DELETE FROM entries WHERE namespace IS ? AND key IS ?", bad)
         return len(bad)
