@@ -794,6 +794,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--rounds", type=int, default=2, help="peer: interleaved rounds per server")
     p.add_argument(
+        "--quant",
+        default="",
+        help="peer: write --model again as this GGUF type first (q8_0, bf16: llama-quantize) and compare on it",
+    )
+    p.add_argument(
         "--peer-workload",
         default="",
         help="peer: sizes other than the defaults, e.g. long_tokens=128,users=2 (see ops/peer.py Workload)",
@@ -821,7 +826,10 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--peer-workload: unknown {sorted(set(sizes) - known)}; known: {sorted(known)}")
         work = peer.Workload(**{k: int(v) for k, v in sizes.items()})
         bin_dir = a.peer_bin if a.peer_bin is not None else peer.default_peer_bin()
-        result = peer.bench_peer(a.model, a.threads, bin_dir, a.rounds, a.idle_wait, work, a.dtype)
+        model = a.model
+        if a.quant:
+            model = peer.requantized(a.model, a.quant, bin_dir, bin_dir.parent / "models")
+        result = peer.bench_peer(model, a.threads, bin_dir, a.rounds, a.idle_wait, work, a.dtype)
     elif a.what == "cache":
         result = bench_cache(a.model, a.dtype, a.prompt_tokens, a.threads, a.deterministic == "true")
     else:

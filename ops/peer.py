@@ -6,7 +6,8 @@ vendored tree) into a cache folder; `--peer-bin DIR` points at another build (or
 test, a stand-in that speaks the same API). Rounds are interleaved (keepwarm, llama.cpp,
 llama.cpp, keepwarm, ...) and each figure is the median over the rounds, with its spread.
 
-Per round and server, two phases:
+Per round and server, two phases (keepwarm's measured once the prefill cost model it fits
+after start on a new cache folder is fitted: `warmup_s`):
   A (one slot): engine start to /health ready; a cold 2,048-token prompt (cache off: TTFT and
     the server's own prefill rate); decode at 256 and 2,048 tokens of context (128 tokens,
     ignore_eos); turn 2 of a conversation over a 1,000-token system prompt (TTFT); the
@@ -82,6 +83,21 @@ class Server:
                     f"{self.kind} did not start (see {self.log}):\n{self.log.read_text()[-3000:]}"
                 )
             time.sleep(0.02)
+
+    def settled(self, timeout: float = 1800) -> float:
+        """keepwarm on a new cache folder fits its prefill cost model between requests after
+        it is ready; the figures are taken once that is done (steady state, as llama.cpp's are).
+        Seconds waited; 0 for llama.cpp."""
+        if self.kind != KEEPWARM:
+            return 0.0
+        t0 = time.perf_counter()
+        while (httpx.get(self.url + "/health", timeout=30).json().get("prefill_cost") or {}).get(
+            "calibration"
+        ) not in ("done", "persisted"):
+            if time.perf_counter() - t0 > timeout:
+                raise RuntimeError(f"keepwarm's prefill cost model was not fitted in {timeout} s")
+            time.sleep(0.2)
+        return time.perf_counter() - t0
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -217,7 +233,7 @@ class Texts:
 
 def phase_a(server: Server, texts: Texts, restart: Any) -> dict[str, float]:
     w = texts.work
-    out: dict[str, float] = {"start_s": server.start_s}
+    out: dict[str, float] = {"start_s": server.start_s, "warmup_s": server.settled()}
     cold = chat(server, [{"role": "user", "content": texts.long + "\n\nSummarize."}], 1, cache=False)
     out["prefill_ttft_s"] = cold.ttft_s
     out["prefill_tok_s"] = cold.server_prefill_tok_s or cold.prompt_tokens / cold.ttft_s
@@ -348,6 +364,7 @@ def run_round(kind: str, setup: Setup, texts: Texts, r: int) -> dict[str, float]
     )
     busy.start()
     try:
+        busy.settled()
         out.update(phase_b(busy, texts))
     finally:
         busy.stop()
@@ -427,6 +444,22 @@ def bench_peer(
     return out
 
 
+def requantized(model: Path, quant: str, peer_bin: Path, folder: Path) -> Path:
+    """`model` written again as `quant` (Q8_0, BF16, ...) by llama.cpp's llama-quantize, once,
+    into `folder` (from a Q4 file the weights are the Q4 values, re-encoded: the bench compares
+    speed on a file of that type, not quality)."""
+    out = folder / f"{model.stem}.{quant.upper()}.gguf"
+    if not out.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        done = subprocess.run([str(peer_bin / "llama-quantize"), "--allow-requantize", str(model), str(tmp),
+                               quant.upper()], capture_output=True, text=True)  # fmt: skip
+        if done.returncode != 0:
+            raise RuntimeError(f"llama-quantize to {quant} failed:\n{done.stderr[-2000:]}")
+        tmp.rename(out)
+    return out
+
+
 def default_peer_bin() -> Path:
     """The folder ops/build-peer prints (building llama.cpp the first time: about 20 minutes)."""
     done = subprocess.run([str(ROOT / "ops" / "build-peer")], capture_output=True, text=True)
@@ -452,10 +485,11 @@ _ROWS = (  # ratio key, figure, unit, what
 def readme_table(r: dict[str, Any], machine: str, date: str) -> str:
     """The README's "versus llama.cpp" table from one `ops/bench peer` result."""
     peer = r.get("peer") or {}
-    built = peer.get("llama_cpp_commit") or peer.get("llama_cpp_build") or "?"
+    commit = peer.get("llama_cpp_commit") or peer.get("llama_cpp_build")
+    built = f"llama.cpp {commit}" if commit else "its vendored llama.cpp; the sdist records no commit"
     lines = [
         f"{machine}, {date}; `{Path(r['model']).name}`, {r['threads']} threads, keepwarm {r['dtype']}, "
-        f"llama.cpp from llama-cpp-python {peer.get('llama_cpp_python', '?')} (build {built}); "
+        f"llama-server from llama-cpp-python {peer.get('llama_cpp_python', '?')} ({built}); "
         f"median of {r['rounds']} interleaved rounds; load average {r['load_average_before']:.2f} before, "
         f"{r['load_average_after']:.2f} after.",
         "",

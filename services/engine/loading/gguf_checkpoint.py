@@ -20,6 +20,7 @@ would not load (a tensor this mapping does not know is refused, never skipped).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -313,9 +314,21 @@ def _unpermute_rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
 
 
+@functools.lru_cache(maxsize=4)
+def _parsed(path: Path, size: int, mtime_ns: int) -> GgufFile:
+    """One parse of a file's header per process (the model set, the engine and the tokenizer
+    each open the checkpoint; the header of a 49k-token vocabulary takes ~0.2 s to read). Keyed
+    by size and mtime too, so a file replaced in place is read again."""
+    del size, mtime_ns
+    return GgufFile(path)
+
+
 def open_gguf(path: Path) -> GgufCheckpoint:
     try:
-        gguf = GgufFile(path)
+        st = path.stat()
+        gguf = _parsed(path.resolve(), st.st_size, st.st_mtime_ns)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be read ({e})") from e
     except GgufError as e:
         raise CheckpointError(str(e)) from e
     config = config_from_metadata(gguf)

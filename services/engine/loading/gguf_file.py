@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from keepwarm.engine.loading.gguf_blocks import dequantize_blocks
+
 GGUF_MAGIC = b"GGUF"
 _SCALAR = {  # value type -> struct format
     0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d",
@@ -160,8 +162,9 @@ class GgufFile:
         return self._map[t.offset : t.offset + t.nbytes]
 
     def dequantize(self, name: str) -> torch.Tensor:
-        """Tensor `name` as float32 (F16 / BF16 widened exactly; blocks by gguf's formulas),
-        in its PyTorch shape, in freshly allocated memory."""
+        """Tensor `name` as float32 (F16 / BF16 widened exactly; blocks by gguf's formulas:
+        Q8_0 / Q4_0 / Q4_1 in torch by gguf_blocks, bitwise the same, the others by the gguf
+        package), in its PyTorch shape, in freshly allocated memory."""
         from gguf.constants import GGMLQuantizationType
         from gguf.quants import dequantize
 
@@ -172,6 +175,9 @@ class GgufFile:
                 f"(supported: {', '.join(sorted(SUPPORTED_TYPES))}); re-quantize the file to one of them"
             )
         raw = self.raw(name)
+        fast = dequantize_blocks(t.type_name, raw)
+        if fast is not None:
+            return fast.reshape(t.shape)
         if t.type_name == "BF16":
             out = torch.from_numpy(raw.view(np.int16).copy()).view(torch.bfloat16).float()
         elif t.type_name == "F32":

@@ -744,10 +744,12 @@ def serve(cfg: EngineConfig) -> None:
     import uvicorn
 
     models = ModelSet(served_configs(cfg), cfg.models_budget)
-    # the default model loads now (errors surface at start); the others on their first request
-    slot, engine = models.acquire(None)
-    models.release(slot)
     app = create_app(models, cfg)
+    worker: Worker = app.state.worker
+    # The default model loads now (errors surface at start), on the generation thread, where
+    # its steps run (worker.py says why); the others on their first request.
+    slot, engine = worker.call(lambda: models.acquire(None))
+    models.release(slot)
     others = (
         f"; also serving {', '.join(list(models.slots)[1:])} (loaded on demand)"
         if len(models.slots) > 1
@@ -772,7 +774,6 @@ def serve(cfg: EngineConfig) -> None:
             timeout_keep_alive=KEEP_ALIVE_S,
         )
     )
-    worker: Worker = app.state.worker
 
     def when_serving() -> None:
         while not server.started:

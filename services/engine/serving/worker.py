@@ -3,15 +3,25 @@ models with work) while any sequence is queued or running; otherwise, once the s
 answers (`start_background`), runs background work one short chunk at a time (the prefill
 cost model's warm-up), and sleeps when there is none. Jobs hand events to the asyncio side through
 `loop.call_soon_threadsafe`; a cancelled job (client gone) is dropped at the
-next step, which frees its state."""
+next step, which frees its state.
+
+The thread is also where the server loads its default model (`call`): torch's OpenMP
+thread pools are per calling thread, and once the process's main thread has run a parallel
+region, regions started from any other thread run about half as fast for the rest of the
+process (measured on a 2-core machine: a 576 x 1536 bf16 linear at batch 1 takes 130 us
+from its first thread, 360-450 us from another, and decode fell from 39 to 21 tokens/s).
+So the main thread (the HTTP event loop) never runs one, and the steps run on the thread
+that ran the first."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from keepwarm.engine.engine import Engine, Event, Prompt, QueueFull
 from keepwarm.engine.generation.request import FinishEvent, GenerateRequest
@@ -19,6 +29,7 @@ from keepwarm.engine.generation.sequence import Sequence, Status
 from keepwarm.engine.serving.model_set import ModelSet
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 __all__ = ["Job", "QueueFull", "Worker"]
 
@@ -45,8 +56,30 @@ class Worker:
         self.wake = threading.Event()
         self.background = threading.Event()  # set once the server answers: background work may run
         self.stopping = False
+        self._calls: list[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = []
+        self._calls_lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name="keepwarm-generation", daemon=True)
         self.thread.start()
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """`fn()` run on the generation thread (before its next step), its result or its
+        exception here; blocking. For work that runs torch's parallel kernels outside a step,
+        such as loading the default model (see the module docstring)."""
+        assert threading.current_thread() is not self.thread, "call() from the generation thread"
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._calls_lock:
+            self._calls.append((fn, done))
+        self.wake.set()
+        return done.result()
+
+    def _run_calls(self) -> None:
+        with self._calls_lock:
+            calls, self._calls = self._calls, []
+        for fn, done in calls:
+            try:
+                done.set_result(fn())
+            except BaseException as e:  # handed to the caller, which raises it
+                done.set_exception(e)
 
     @property
     def num_running(self) -> int:
@@ -94,6 +127,7 @@ class Worker:
 
     def _run(self) -> None:
         while not self.stopping:
+            self._run_calls()
             if not self.models.has_work():
                 if self.background.is_set() and self._background():
                     continue  # one chunk done: requests that came meanwhile go first
