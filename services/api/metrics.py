@@ -126,8 +126,4 @@ class GatewayMetrics:
 def _route(scope: Scope) -> str:
     handler = scope.get("route_handler")
     paths = getattr(handler, "paths", None)
-    if not paths:
-        return "unmatched"
-    path = str(scope.get("path") or "")
-    templates = sorted(paths)
-    return path if path in templates else templates[0]
+    return min(paths) if paths else "unmatched"  # the handler's path template, never the request's path

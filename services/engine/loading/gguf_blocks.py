@@ -16,7 +16,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-BLOCK = 32
 _BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
 
 
