@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 import torch
 
 
+_TINY = torch.finfo(torch.float32).tiny
+
+
 class SamplingError(ValueError):
     """A sampling parameter is out of range; the message says which and what is allowed."""
 
@@ -124,9 +127,10 @@ class Sampler:
 
     def _pick(self, x: torch.Tensor) -> int:
         p = self.params
-        if p.temperature == 0.0:
+        if p.temperature < _TINY:  # 0, or so small that x / T would overflow: the limit is greedy
             return int(torch.argmax(x))
-        x = x.float().cpu() / p.temperature
+        x = x.float().cpu()
+        x = (x - x.max()) / p.temperature  # <= 0 everywhere: no overflow to inf - inf
         if p.top_k > 0 and p.top_k < x.shape[0]:
             kth = torch.topk(x, p.top_k).values[-1]
             x = x.masked_fill(x < kth, float("-inf"))

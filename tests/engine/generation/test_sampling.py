@@ -76,3 +76,11 @@ def test_choices_draw_from_their_own_seeded_generators() -> None:
     p = SamplingParams(temperature=1.0, seed=5)
     runs = [[Sampler(p, choice=c)(logits).token for _ in range(8)] for c in (0, 1, 2, 1)]
     assert runs[1] == runs[3] and runs[0] != runs[1] and runs[1] != runs[2]
+
+
+@pytest.mark.parametrize("temperature", [6.5e-297, 1e-40, 1e-30, 1e-6])
+def test_tiny_temperatures_pick_the_argmax(temperature: float) -> None:
+    # x / T overflows float32 for such T; the limit of softmax(x / T) is the argmax.
+    logits = torch.tensor([0.1, 30.0, 29.5, -1.0, 29.9])
+    p = SamplingParams(temperature=temperature, seed=3)
+    assert [Sampler(p)(logits).token for _ in range(5)] == [1] * 5
