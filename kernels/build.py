@@ -2,9 +2,9 @@
 
   python -m keepwarm.kernels.build [--isa auto|supported|avx512_bf16|avx2] [--check] [--jobs N] [--quiet]
 
-Compiles the four extensions (cpu_linear, cpu_attention, cpu_rowwise, cpu_delta_rule) into
-the install's kernel folder (kernels/prebuilt.py: $KEEPWARM_KERNEL_DIR, else
-<sys.prefix>/share/keepwarm/kernels/...), where the engine loads them from. A build already
+Compiles the five extensions (cpu_linear, cpu_attention, cpu_rowwise, cpu_delta_rule,
+cpu_quant_linear) into the install's kernel folder (kernels/prebuilt.py: $KEEPWARM_KERNEL_DIR,
+else <sys.prefix>/share/keepwarm/kernels/...), where the engine loads them from. A build already
 there for the same sources and flags is kept (a second run takes a second or two); older
 builds of the same extensions are removed.
 
@@ -28,7 +28,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from keepwarm.kernels import cpu_attention, cpu_delta_rule, cpu_extension, cpu_linear, cpu_rowwise, prebuilt
+from keepwarm.kernels import (
+    cpu_attention,
+    cpu_delta_rule,
+    cpu_extension,
+    cpu_linear,
+    cpu_quant_linear,
+    cpu_rowwise,
+    prebuilt,
+)
 
 
 @dataclass(frozen=True)
@@ -38,13 +46,14 @@ class Kernel:
     source: Path
     name: str
     shared_headers: bool = True  # cpu_extension's builds: vec_math.h hashed in, csrc on -I
+    extra_flags: tuple[str, ...] = ()  # added to every build's flags (as its module loads it)
 
     def spec(self, isa: cpu_linear.Isa) -> tuple[str, list[str], list[str]]:
         """(extension name, compile flags, include paths) of its `isa` build, exactly as the
         engine loads it (so the keys match)."""
         name = cpu_linear.extension_name(self.name, isa)
         if self.shared_headers:
-            return name, cpu_linear.compile_flags(isa, cpu_extension.HEADERS), [str(cpu_extension.CSRC)]
+            return name, cpu_extension.flags(isa, self.extra_flags), [str(cpu_extension.CSRC)]
         return name, cpu_linear.compile_flags(isa), []
 
 
@@ -53,6 +62,9 @@ KERNELS = (
     Kernel(cpu_attention.SOURCE, cpu_attention.EXTENSION_NAME),
     Kernel(cpu_rowwise.SOURCE, cpu_rowwise.EXTENSION_NAME),
     Kernel(cpu_delta_rule.SOURCE, cpu_delta_rule.EXTENSION_NAME),
+    Kernel(
+        cpu_quant_linear.SOURCE, cpu_quant_linear.EXTENSION_NAME, extra_flags=cpu_quant_linear.EXTRA_FLAGS
+    ),
 )
 
 

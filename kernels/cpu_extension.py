@@ -30,9 +30,11 @@ CSRC = Path(__file__).parent / "csrc"
 HEADERS = (CSRC / "vec_math.h",)
 
 
-def load(source: Path, name: str, build_dir: Path | None = None) -> ModuleType | None:
-    """The compiled extension `name` (with the build's suffix) from `source`, or None (with one
-    log line saying why)."""
+def load(
+    source: Path, name: str, build_dir: Path | None = None, extra_flags: tuple[str, ...] = ()
+) -> ModuleType | None:
+    """The compiled extension `name` (with the build's suffix) from `source` (compiled with the
+    build's flags plus `extra_flags`), or None (with one log line saying why)."""
     if os.environ.get("KEEPWARM_CPU_KERNELS", "1") == "0":
         log.info("%s: disabled by KEEPWARM_CPU_KERNELS=0; using torch", name)
         return None
@@ -43,13 +45,20 @@ def load(source: Path, name: str, build_dir: Path | None = None) -> ModuleType |
         return None
     name = extension_name(name, isa)
     try:
-        return build(source, name, isa, build_dir)
+        return build(source, name, isa, build_dir, extra_flags)
     except Exception as e:  # any build/load failure must leave the engine on torch
         log.warning("%s: building %s failed (%s: %s); using torch", name, source, type(e).__name__, e)
         return None
 
 
-def build(source: Path, name: str, isa: Isa, build_dir: Path | None = None) -> ModuleType:
+def flags(isa: Isa, extra_flags: tuple[str, ...] = ()) -> list[str]:
+    """The compiler flags of an extension's `isa` build (the shared headers hashed in)."""
+    return [*compile_flags(isa, HEADERS), *extra_flags]
+
+
+def build(
+    source: Path, name: str, isa: Isa, build_dir: Path | None = None, extra_flags: tuple[str, ...] = ()
+) -> ModuleType:
     """The extension `name` (already suffixed for `isa`) from `source`: the install's build
     (kernels/prebuilt.py), compiled now when there is none, or compiled into `build_dir`.
     Raises on any build error."""
@@ -57,5 +66,5 @@ def build(source: Path, name: str, isa: Isa, build_dir: Path | None = None) -> M
 
     # torch rebuilds when a source or a flag changes, not a header: their hash is a flag
     return prebuilt.load(
-        name, source, compile_flags(isa, HEADERS), LDFLAGS, include_paths=[str(CSRC)], folder=build_dir
+        name, source, flags(isa, extra_flags), LDFLAGS, include_paths=[str(CSRC)], folder=build_dir
     )

@@ -1,6 +1,7 @@
 """Row-local CPU ops whose per-row result does not depend on how many rows a call has
 (kernels/csrc/cpu_rowwise.cpp): RMSNorm (plain and Qwen3.5's 1 + weight form), silu(gate) * up,
-the pointwise exp / sigmoid / silu / softplus, and the depthwise causal conv followed by silu. torch's versions are not
+the pointwise exp / sigmoid / silu / softplus, the depthwise causal conv followed by silu, and
+the rotary embedding (bitwise torch's: one call instead of ~10 ops). torch's versions are not
 guaranteed so: an elementwise transcendental finishes a thread's range with scalar code
 whose last bit can differ from the vector code (measured: fp32 F.silu changes with the row
 count), and which elements land there depends on the tensor's size.
@@ -40,6 +41,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if y is not None:
             return y
     return reference.rms_norm(x, weight, eps)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, Dr], cos / sin [T, Dr] -> x * cos + rotate_half(x) * sin, each step rounded to x's
+    dtype as torch rounds it: the reference's bits in one call (it takes ~10 torch ops)."""
+    ext = extension()
+    if ext is not None and not _recording(x):
+        y = ext.try_rotary(x, cos, sin)
+        if y is not None:
+            return y
+    return reference.rotary(x, cos, sin)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ batches (and, for attention, a decode step and prefill chunks with the one-shot 
 If any differ, invariant mode is refused for the process: one ERROR log line says which op
 and shape failed, and every later call (including the failing one) runs the fallback bundle.
 
-Buckets: linear by (dtype, N, K, bias); rms_norm and rms_norm_1p by (dtype, D); silu_mul by
+Buckets: linear by (dtype, N, K, bias); quant_linear by (block kind, x's dtype, N, K, bias); rms_norm and rms_norm_1p by (dtype, D); silu_mul by
 (dtype, I); exp / sigmoid / silu / softplus by (dtype, last dim); conv_silu by (dtype, C, K);
 attention by (dtype, Hq, Hkv, D), and the general `attention` (a window over kept rows at an
 offset, masked extra keys, sinks) by the same once more; the delta rule by (dtype, Hk, Hv,
@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from keepwarm.kernels.ops import Ops
+from keepwarm.kernels.quant_weight import QuantWeight
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,14 @@ def probe_linear(linear: Callable[..., torch.Tensor], w: torch.Tensor, b: torch.
     g = torch.Generator().manual_seed(0)
     x = _rand((PROBE_ROWS, w.shape[1]), w.dtype, g, w.device)
     return _rows_differ(lambda r: linear(r, w, b), x, f"linear {tuple(w.shape)} {w.dtype}")
+
+
+def probe_quant_linear(
+    quant_linear: Callable[..., torch.Tensor], w: QuantWeight, b: torch.Tensor | None, dtype: torch.dtype
+) -> str | None:
+    g = torch.Generator().manual_seed(0)
+    x = _rand((PROBE_ROWS, w.in_features), dtype, g, w.device)
+    return _rows_differ(lambda r: quant_linear(r, w, b), x, f"quant_linear {w.shape} {w.kind} {dtype}")
 
 
 def probe_rms_norm(
@@ -257,6 +266,14 @@ class SelfCheck:
         key = ("linear", weight.dtype, tuple(weight.shape), bias is not None)
         return self._check(key, lambda: probe_linear(self.fast.linear, weight, bias)).linear(x, weight, bias)
 
+    def quant_linear(
+        self, x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        key = ("quant_linear", weight.kind, x.dtype, weight.shape, bias is not None)
+        return self._check(
+            key, lambda: probe_quant_linear(self.fast.quant_linear, weight, bias, x.dtype)
+        ).quant_linear(x, weight, bias)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         key = ("rms_norm", weight.dtype, weight.shape[0])
         return self._check(key, lambda: probe_rms_norm(self.fast.rms_norm, weight, eps)).rms_norm(
@@ -373,6 +390,7 @@ class SelfCheck:
             decode_attention=self.decode_attention,
             decode_attention_batch=self.decode_attention_batch,
             linear=self.linear,
+            quant_linear=self.quant_linear,
             silu_mul=self.silu_mul,
             rms_norm_1p=self.rms_norm_1p,
             exp=self.exp,

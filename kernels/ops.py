@@ -11,6 +11,9 @@ Shapes (one sequence, no batch dim):
       the decode steps of B sequences in one call, row b the same bits as
       decode_attention(q[b], ks[b], vs[b], scale) (default: that loop)
   linear(x [..., K], weight [N, K], bias [N] | None) -> [..., N]   (torch.nn.functional.linear)
+  quant_linear(x [..., K], weight QuantWeight [N, K], bias [N] | None) -> [..., N]: the same
+      with the weight kept in its GGUF blocks (kernels/quant_weight.py); `project` calls
+      whichever of the two the weight's type asks for
   silu_mul(gate [..., I], up [..., I]) -> [..., I]   (silu(gate) * up)
   rms_norm_1p(x [..., D], scale [D] float32, eps) -> [..., D]   (Qwen3.5: scale = 1 + weight)
   exp(x), sigmoid(x), silu(x), softplus(x) -> x's shape and dtype
@@ -51,6 +54,7 @@ import torch.nn.functional as F
 
 from keepwarm.kernels import reference
 from keepwarm.kernels.delta_rule import DeltaRuleFn, chunk_gated_delta_rule, recurrent_gated_delta_rule
+from keepwarm.kernels.quant_weight import QuantWeight
 
 DecodeBatchFn = Callable[[torch.Tensor, Sequence[torch.Tensor], Sequence[torch.Tensor], float], torch.Tensor]
 
@@ -74,6 +78,7 @@ class Ops:
     prefill_attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
     decode_attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
     linear: Callable[..., torch.Tensor] = F.linear
+    quant_linear: Callable[..., torch.Tensor] = reference.quant_linear
     silu_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = reference.silu_mul
     rms_norm_1p: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = reference.rms_norm_1p
     exp: Callable[[torch.Tensor], torch.Tensor] = torch.exp
@@ -89,6 +94,14 @@ class Ops:
     decode_attention_batch: DecodeBatchFn = decode_each
     decode_attention_table: Callable[..., torch.Tensor] | None = None
     write_rows: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
+
+    def project(
+        self, x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x @ weight^T (+ bias) for a dense weight or one kept in its blocks."""
+        if isinstance(weight, QuantWeight):
+            return self.quant_linear(x, weight, bias)
+        return self.linear(x, weight, bias)
 
     def __post_init__(self) -> None:
         # Without a batched kernel: a loop over this bundle's own decode_attention (rebound
@@ -128,11 +141,14 @@ def cpu_ops(invariant: bool = True) -> Ops:
     it, else the AVX2 build (avx2 + fma + f16c: the same kernels with the AVX-512 intrinsics
     emulated, equally invariant). Without either (or with a failed build) both are the
     references."""
-    from keepwarm.kernels import cpu_attention, cpu_delta_rule, cpu_linear, cpu_rowwise
+    from keepwarm.kernels import cpu_attention, cpu_delta_rule, cpu_linear, cpu_quant_linear, cpu_rowwise
 
     if not cpu_linear.available():  # builds the extension once, here, not on the first call
         return TORCH_OPS
-    plain = replace(TORCH_OPS, name="torch+cpu_linear", linear=_decode_rows_linear)
+    # the block product is row-invariant where its kernel loaded, else the reference
+    plain = replace(
+        TORCH_OPS, name="torch+cpu_linear", linear=_decode_rows_linear, quant_linear=cpu_quant_linear.linear
+    )
     kernels = (cpu_attention, cpu_rowwise, cpu_delta_rule)
     if not invariant or not all(k.available() for k in kernels):
         return plain
@@ -141,11 +157,12 @@ def cpu_ops(invariant: bool = True) -> Ops:
     fast = Ops(
         name="cpu_invariant",
         rms_norm=cpu_rowwise.rms_norm,
-        rotary=reference.rotary,  # elementwise: invariant as it is
+        rotary=cpu_rowwise.rotary,  # elementwise: invariant as it is, the reference's bits
         prefill_attention=cpu_attention.prefill_attention,
         decode_attention=cpu_attention.decode_attention,
         decode_attention_batch=cpu_attention.decode_attention_batch,
         linear=cpu_linear.linear,
+        quant_linear=cpu_quant_linear.linear,
         silu_mul=cpu_rowwise.silu_mul,
         rms_norm_1p=cpu_rowwise.rms_norm_1p,
         exp=cpu_rowwise.exp,

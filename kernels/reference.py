@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from keepwarm.kernels.quant_weight import QuantWeight
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # As transformers' Llama/Qwen RMSNorm: x * rsqrt(mean(x^2) + eps) in float32, cast to
     # x's dtype, then times weight. torch's fused kernel computes in float32 for 16-bit x.
     return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
+
+
+def quant_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight^T (+ bias) with the weight's exact values, in float32, cast to x's dtype."""
+    w = weight.dequantize(torch.float32).to(x.device)
+    return F.linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

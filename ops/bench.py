@@ -52,16 +52,25 @@ def _prompt_tokens(vocab: int, n: int) -> list[int]:
 
 
 def _engine_speed(
-    model: Path, dtype: torch.dtype, toks: list[int], decode_tokens: int, chunk: int, invariant: bool
-) -> tuple[float, float, int]:
-    """(prefill seconds for `toks`, seconds per decode token at 256 + context, weight bytes)
-    with the invariant CPU kernels on or off (kernels/ops.py)."""
+    model: Path,
+    dtype: torch.dtype,
+    toks: list[int],
+    decode_tokens: int,
+    chunk: int,
+    invariant: bool,
+    keep_blocks: bool = False,
+    contexts: tuple[int, ...] = (256,),
+) -> tuple[float, dict[int, float], int]:
+    """(prefill seconds for `toks`, seconds per decode token after each context length in
+    `contexts`, weight bytes) with the invariant CPU kernels on or off (kernels/ops.py) and the
+    projections on their quantized blocks or dequantized (`keep_blocks`, a GGUF file)."""
     from keepwarm.engine.loading.checkpoint import open_checkpoint
     from keepwarm.engine.models import build_backend
     from keepwarm.kernels.ops import ops_for
 
     dev = torch.device("cpu")
-    backend = build_backend(open_checkpoint(model), dev, dtype, ops_for(dev, invariant=invariant))
+    ckpt = open_checkpoint(model, keep_blocks=keep_blocks)
+    backend = build_backend(ckpt, dev, dtype, ops_for(dev, invariant=invariant))
     n = len(toks)
 
     def prefill(state: Any, tokens: list[int]) -> torch.Tensor:
@@ -79,17 +88,20 @@ def _engine_speed(
         prefill(st, toks)
         pre.append(time.perf_counter() - t0)
 
-    st = backend.new_state(256 + decode_tokens + 8)
-    tok = int(torch.argmax(prefill(st, toks[:256])))
-    for _ in range(4):  # warm-up
-        tok = int(torch.argmax(backend.decode(st, tok)))
-    t0 = time.perf_counter()
-    for _ in range(decode_tokens):
-        tok = int(torch.argmax(backend.decode(st, tok)))
-    decode_s = (time.perf_counter() - t0) / decode_tokens
+    decode: dict[int, float] = {}
+    for ctx in contexts:
+        context = (toks * (ctx // max(1, n) + 1))[:ctx]
+        st = backend.new_state(ctx + decode_tokens + 8)
+        tok = int(torch.argmax(prefill(st, context)))
+        for _ in range(4):  # warm-up
+            tok = int(torch.argmax(backend.decode(st, tok)))
+        t0 = time.perf_counter()
+        for _ in range(decode_tokens):
+            tok = int(torch.argmax(backend.decode(st, tok)))
+        decode[ctx] = (time.perf_counter() - t0) / decode_tokens
     weights = {id(t): t for t in _tensors(backend)}
     weights_bytes = sum(t.numel() * t.element_size() for t in weights.values())
-    return min(pre), decode_s, weights_bytes
+    return min(pre), decode, weights_bytes
 
 
 def bench_engine(
@@ -99,14 +111,19 @@ def bench_engine(
     decode_tokens: int,
     chunk: int,
     reference: bool = True,
+    contexts: tuple[int, ...] = (256, 2048),
 ) -> dict[str, Any]:
-    """Prefill and decode speed with invariance on (the default) and off, back to back; the
-    transformers reference unless `reference` is False."""
+    """Prefill and decode speed with invariance on (the default) and off, back to back (the
+    default --weights for the file); for a GGUF file also both weight modes at 256 and 2,048
+    tokens of context; the transformers reference unless `reference` is False."""
+    from keepwarm.engine.loading.checkpoint import gguf_in
     from keepwarm.kernels.ops import ops_for
 
     toks = _prompt_tokens(_vocab_size(model), prefill_tokens)
-    prefill_s, decode_s, weights_bytes = _engine_speed(model, dtype, toks, decode_tokens, chunk, True)
-    off_prefill_s, off_decode_s, _ = _engine_speed(model, dtype, toks, decode_tokens, chunk, False)
+    prefill_s, decoded, weights_bytes = _engine_speed(model, dtype, toks, decode_tokens, chunk, True)
+    decode_s = decoded[256]
+    off_prefill_s, off_decoded, _ = _engine_speed(model, dtype, toks, decode_tokens, chunk, False)
+    off_decode_s = off_decoded[256]
     gbps = mem_read_gbps()
     out: dict[str, Any] = {
         "model": model_id(model),
@@ -127,6 +144,21 @@ def bench_engine(
         "decode_roofline_fraction": (weights_bytes / decode_s / 1e9) / gbps,
         "load_average": os.getloadavg(),
     }
+    if gguf_in(Path(model)) is not None:
+        # A GGUF file: its projections on their quantized blocks (--weights as-file) and
+        # dequantized to `dtype` (--weights bf16), the same measurements side by side.
+        for keep, suffix in ((True, "_as_file"), (False, "_bf16")):
+            pre_s, dec, wb = _engine_speed(model, dtype, toks, decode_tokens, chunk, True, keep, contexts)
+            out[f"prefill_tok_s{suffix}"] = prefill_tokens / pre_s
+            for ctx, s in dec.items():
+                out[f"decode_tok_s_{ctx}{suffix}"] = 1 / s
+            out[f"weights_bytes{suffix}"] = wb
+            out[f"decode_roofline_fraction{suffix}"] = (wb / dec[contexts[0]] / 1e9) / gbps
+        first = contexts[0]
+        out["weights_ratio_as_file"] = out["weights_bytes_as_file"] / out["weights_bytes_bf16"]
+        out["decode_speedup_as_file"] = (
+            out[f"decode_tok_s_{first}_as_file"] / out[f"decode_tok_s_{first}_bf16"]
+        )
     if reference:
         ref_prefill_s, ref_decode_s = _bench_transformers(model, dtype, toks, decode_tokens)
         out.update(
@@ -772,6 +804,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--prompt-tokens", type=int, default=2048)
     p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument(
+        "--decode-contexts",
+        default="256,2048",
+        help="engine, GGUF models: the context lengths decode is timed after, for both --weights modes",
+    )
     p.add_argument("--chunk", type=int, default=2048)
     p.add_argument(
         "--reply-tokens", type=int, default=128, help="serve: tokens per reply in the decode figures"
@@ -811,8 +848,9 @@ def main(argv: list[str] | None = None) -> int:
     from keepwarm.engine.config import DTYPES
 
     if a.what == "engine":
+        contexts = tuple(int(c) for c in a.decode_contexts.split(","))
         result = bench_engine(
-            a.model, DTYPES[a.dtype], a.prompt_tokens, a.decode_tokens, a.chunk, not a.no_reference
+            a.model, DTYPES[a.dtype], a.prompt_tokens, a.decode_tokens, a.chunk, not a.no_reference, contexts
         )
         result.update(bench_start(a.model, a.dtype, a.threads))
     elif a.what == "peer":

@@ -325,9 +325,55 @@ c10::optional<at::Tensor> try_conv_silu(const at::Tensor& x, const at::Tensor& w
 
 }  // namespace
 
+// Rotary embedding, rotate-half convention: y = x * cos + rotate_half(x) * sin with
+// rotate_half(x) = cat(-x[Dr/2:], x[:Dr/2]), each product and the sum rounded to x's dtype as
+// torch's elementwise ops round them (so the bits are the reference's). x [T, H, Dr] with the last
+// dim contiguous (a head of a fused projection: any T / H strides), cos, sin [T, Dr] contiguous
+// of x's dtype -> y [T, H, Dr] contiguous.
+template <typename T>
+void rotary_rows(const T* x, int64_t st, int64_t sh, const T* cos, const T* sin, T* y, int64_t n_t, int64_t n_h,
+                 int64_t dr) {
+  const int64_t half = dr / 2;
+  at::parallel_for(0, n_t, std::max<int64_t>(1, 4096 / (n_h * dr)), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t h = 0; h < n_h; ++h) {
+        const T* xr = x + t * st + h * sh;
+        const T* c = cos + t * dr;
+        const T* s = sin + t * dr;
+        T* yr = y + (t * n_h + h) * dr;
+        for (int64_t i = 0; i < dr; ++i) {
+          const T rot = i < half ? static_cast<T>(-static_cast<float>(xr[i + half])) : xr[i - half];
+          const T a = static_cast<T>(static_cast<float>(xr[i]) * static_cast<float>(c[i]));
+          const T b = static_cast<T>(static_cast<float>(rot) * static_cast<float>(s[i]));
+          yr[i] = static_cast<T>(static_cast<float>(a) + static_cast<float>(b));
+        }
+      }
+  });
+}
+
+c10::optional<at::Tensor> try_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  if (!dtype_ok(x) || cos.scalar_type() != x.scalar_type() || sin.scalar_type() != x.scalar_type()) return c10::nullopt;
+  if (x.dim() != 3 || x.stride(2) != 1 || !cos.device().is_cpu() || !sin.device().is_cpu()) return c10::nullopt;
+  const int64_t n_t = x.size(0), n_h = x.size(1), dr = x.size(2);
+  if (dr % 2 != 0 || cos.dim() != 2 || sin.sizes() != cos.sizes() || cos.size(0) != n_t || cos.size(1) != dr)
+    return c10::nullopt;
+  const at::Tensor cc = cos.contiguous(), sc = sin.contiguous();
+  at::Tensor y = at::empty({n_t, n_h, dr}, x.options());
+  if (x.scalar_type() == at::kFloat) {
+    rotary_rows<float>(x.data_ptr<float>(), x.stride(0), x.stride(1), cc.data_ptr<float>(), sc.data_ptr<float>(),
+                       y.data_ptr<float>(), n_t, n_h, dr);
+  } else {
+    rotary_rows<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), x.stride(0), x.stride(1), cc.data_ptr<c10::BFloat16>(),
+                               sc.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>(), n_t, n_h, dr);
+  }
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("try_rms_norm", &try_rms_norm, "row-invariant RMSNorm, or None", py::arg("x"), py::arg("weight"),
         py::arg("eps"));
+  m.def("try_rotary", &try_rotary, "rotary embedding (rotate-half), the reference's bits, or None", py::arg("x"),
+        py::arg("cos"), py::arg("sin"));
   m.def("try_silu_mul", &try_silu_mul, "row-invariant silu(gate) * up, or None", py::arg("gate"), py::arg("up"));
   m.def("try_rms_norm_1p", &try_rms_norm_1p, "row-invariant x * rsqrt(mean(x^2) + eps) * scale, or None",
         py::arg("x"), py::arg("scale"), py::arg("eps"));

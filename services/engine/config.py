@@ -24,6 +24,7 @@ from keepwarm.engine.cache.policy import Policy, parse_policy
 from keepwarm.engine.loading import packaged_model
 from keepwarm.settings import SettingsError, add_arguments, internal, parse_bool, setting
 
+WEIGHTS = ("auto", "as-file", "bf16")  # --weights
 DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
@@ -136,6 +137,12 @@ class EngineConfig:
         "for an even split; snapshots do not depend on it (any split adopts any other's files)",
     )
     dtype: str = setting("bfloat16", help="`bfloat16` or `float32` (also `float16`)")
+    weights: str = setting(
+        "auto",
+        help="how a GGUF file's quantized projections run: `as-file` (kept in their Q8_0 / Q4_0 / Q4_1 "
+        "blocks and multiplied there: a third to a half of the memory; CPU, llama-style models), `bf16` "
+        "(dequantized to --dtype at load), or `auto` (`as-file` where it applies, else dequantized)",
+    )
     num_threads: int = setting(0, help="CPU threads; 0 = torch's default")
     max_context: int = setting(8192, help="state capacity in tokens; longer prompts get 413")
     chunk_size: int = setting(2048, help="prefill chunk, tokens per forward")
@@ -259,6 +266,13 @@ class EngineConfig:
     def validate(self) -> EngineConfig:
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype {self.dtype!r}: use one of {', '.join(sorted(DTYPES))}")
+        if self.weights not in WEIGHTS:
+            raise ConfigError(f"--weights {self.weights!r}: use one of {', '.join(WEIGHTS)}")
+        if self.weights == "as-file" and (self.device != "cpu" or "cuda" in self.layer_split):
+            raise ConfigError(
+                "--weights as-file runs on the CPU only (no GPU kernel for quantized blocks yet); "
+                "use --weights bf16 on a GPU"
+            )
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(
                 f"--device {self.device!r}: use cpu or cuda[:N] (ROCm builds of torch report cuda)"

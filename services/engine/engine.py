@@ -49,8 +49,8 @@ from keepwarm.engine.generation.snapshot_copier import PendingSnapshot, Snapshot
 from keepwarm.engine.generation.state_memory import StateMemory
 from keepwarm.engine.generation.stopping import StopChecker
 from keepwarm.engine.loading.chat_template import ChatTemplate, ChatTemplateError
-from keepwarm.engine.loading.checkpoint import open_checkpoint
-from keepwarm.engine.models import build_backend
+from keepwarm.engine.loading.checkpoint import Checkpoint, open_checkpoint
+from keepwarm.engine.models import build_backend, keeps_blocks
 from keepwarm.engine.models.placement import Placement
 from keepwarm.engine.serving.tool_calls import encode_chat_with_tools, tool_format_for
 
@@ -93,13 +93,22 @@ class Prompt:
     extends_to_next_turn: bool = False  # the next turn's prompt starts with all of `tokens`
 
 
+def open_model(cfg: EngineConfig) -> tuple[Checkpoint, Placement]:
+    """The checkpoint as `cfg` loads it (a GGUF file's quantized projections in their blocks
+    where --weights keeps them: models.keeps_blocks) and its placement."""
+    ckpt = open_checkpoint(cfg.model)
+    placement = Placement.from_config(cfg.layer_split, cfg.device, ckpt.num_layers)
+    if keeps_blocks(cfg.weights, ckpt, placement):
+        ckpt = open_checkpoint(cfg.model, keep_blocks=True)  # the header is parsed once
+    return ckpt, placement
+
+
 class Engine:
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
         if cfg.num_threads > 0:
             torch.set_num_threads(cfg.num_threads)
-        self.ckpt = open_checkpoint(cfg.model)
-        self.placement = Placement.from_config(cfg.layer_split, cfg.device, self.ckpt.num_layers)
+        self.ckpt, self.placement = open_model(cfg)
         self.device = self.placement.first
         self.tokenizer = self.ckpt.open_tokenizer()
         self.template = self._chat_template()

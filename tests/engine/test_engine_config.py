@@ -1,4 +1,4 @@
-"""Engine settings (services/engine/config.py): the disk tier's index backend."""
+"""Engine settings (services/engine/config.py): the disk tier's index backend, --weights."""
 
 from __future__ import annotations
 
@@ -38,3 +38,12 @@ def test_redis_takes_its_url_from_the_environment() -> None:
 def test_a_bad_index_setting_names_the_flag(env: dict[str, str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         config_from(env={**BASE, **env})
+
+
+def test_weights_default_to_auto_and_refuse_what_they_cannot_do() -> None:
+    assert config_from(env=BASE).weights == "auto"
+    assert config_from(env={**BASE, "KEEPWARM_WEIGHTS": "as-file"}).weights == "as-file"
+    with pytest.raises(ConfigError, match="--weights 'q4': use one of auto, as-file, bf16"):
+        config_from(env={**BASE, "KEEPWARM_WEIGHTS": "q4"})
+    with pytest.raises(ConfigError, match="--weights as-file runs on the CPU only"):
+        config_from(env={**BASE, "KEEPWARM_WEIGHTS": "as-file", "KEEPWARM_LAYER_SPLIT": "cuda:0,cpu"})

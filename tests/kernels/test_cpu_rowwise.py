@@ -63,3 +63,23 @@ def test_conv_silu_close_to_torch_and_the_same_in_one_window_or_many(dtype: torc
     windows = torch.stack([x[:, t : t + k] for t in range(n)])  # [n, C, K]: decode-shaped calls
     assert torch.equal(cpu_rowwise.conv_silu(windows, w)[..., 0].t(), y)
     assert torch.equal(cpu_rowwise.conv_silu(x[:, 10 : 10 + k + 5], w), y[:, 10:16])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_is_the_references_bits_on_heads_of_a_fused_projection(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(4)
+    t, hq, hkv, d = 13, 6, 2, 64
+    qkv = (torch.randn(t, (hq + 2 * hkv) * d, generator=g) * 4).to(dtype)
+    q = qkv[:, : hq * d].view(t, hq, d)  # strided rows: a view into the fused output
+    angles = torch.rand(t, d // 2, generator=g) * 100
+    cos = torch.cat([angles.cos()] * 2, -1).to(dtype)
+    sin = torch.cat([angles.sin()] * 2, -1).to(dtype)
+    y = cpu_rowwise.rotary(q, cos, sin)
+    assert y.is_contiguous() and y.dtype == dtype
+    assert torch.equal(y, reference.rotary(q, cos, sin))
+    assert torch.equal(cpu_rowwise.rotary(q[5:6], cos[5:6], sin[5:6]), y[5:6])
+    partial = q[..., :32]  # a partial rotary dim: rows strided by the head
+    assert torch.equal(
+        cpu_rowwise.rotary(partial, cos[:, :32], sin[:, :32]),
+        reference.rotary(partial, cos[:, :32], sin[:, :32]),
+    )

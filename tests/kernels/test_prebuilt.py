@@ -37,7 +37,7 @@ def test_the_build_step_and_the_runtime_load_the_same_builds(monkeypatch: pytest
         for k in build.KERNELS:
             name, cflags, _ = k.spec(isa)
             if k.shared_headers:
-                cpu_extension.build(k.source, name, isa)
+                cpu_extension.build(k.source, name, isa, extra_flags=k.extra_flags)
             else:
                 cpu_linear.build_extension(k.source, name, isa=isa)
             assert asked.pop() == (name, prebuilt.build_key(name, k.source, cflags, cpu_linear.LDFLAGS))

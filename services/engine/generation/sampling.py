@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-
 _TINY = torch.finfo(torch.float32).tiny
 
 

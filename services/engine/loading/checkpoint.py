@@ -20,6 +20,7 @@ from safetensors import safe_open
 
 from keepwarm.engine.loading.chat_template import ChatTemplate
 from keepwarm.engine.loading.tokenizer import Tokenizer
+from keepwarm.kernels.quant_weight import QuantWeight
 
 _DTYPE_BYTES = {"I64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
@@ -33,6 +34,9 @@ class Checkpoint:
     path: Path
     config: dict[str, Any]
     name_to_file: dict[str, Path]  # tensor name -> the safetensors file holding it
+    # projections stay in their quantized blocks where the file has blocks the kernels multiply
+    # (`load_linear`; a GGUF file's Q8_0 / Q4_0 / Q4_1): --weights as-file
+    keep_blocks: bool = field(default=False, compare=False)
     # called after each weight is read (load progress: models/__init__.py's build_backend)
     on_load: list[Callable[[], None]] = field(default_factory=list, init=False, repr=False, compare=False)
 
@@ -110,6 +114,13 @@ class Checkpoint:
             report()
         return fresh_tensor(t, dtype, device)
 
+    def load_linear(
+        self, name: str, dtype: torch.dtype, device: torch.device | str, shape: tuple[int, int]
+    ) -> torch.Tensor | QuantWeight:
+        """A projection's weight [N, K]: in its blocks where `keep_blocks` and the file has
+        blocks the kernels multiply, else as `load` reads it."""
+        return self.load(name, dtype, device, shape=shape)
+
     def _read(self, name: str) -> tuple[torch.Tensor, str]:
         """Tensor `name` as stored, and where it was read (for messages)."""
         file = self.name_to_file.get(name)
@@ -155,13 +166,15 @@ def gguf_in(path: Path) -> Path | None:
     return None
 
 
-def open_checkpoint(path: str | Path) -> Checkpoint:
+def open_checkpoint(path: str | Path, keep_blocks: bool = False) -> Checkpoint:
+    """The checkpoint at `path` (a Hugging Face folder or a GGUF file); `keep_blocks`: a GGUF
+    file's quantized projections are loaded as blocks (Checkpoint.load_linear)."""
     root = Path(path).expanduser()
     gguf = gguf_in(root)
     if gguf is not None:
         from keepwarm.engine.loading.gguf_checkpoint import open_gguf
 
-        return open_gguf(gguf)
+        return open_gguf(gguf, keep_blocks=keep_blocks)
     if not root.is_dir():
         raise CheckpointError(
             f"model {root} does not exist (pass a Hugging Face checkpoint folder or a .gguf file)"

@@ -26,12 +26,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from keepwarm.engine.loading.chat_template import ChatTemplate, ChatTemplateError
 from keepwarm.engine.loading.checkpoint import Checkpoint, CheckpointError
 from keepwarm.engine.loading.gguf_file import GgufError, GgufFile
 from keepwarm.engine.loading.tokenizer import Tokenizer
+from keepwarm.kernels.quant_weight import KINDS, QuantWeight
 
 # GGUF architecture -> config.json model_type
 ARCHITECTURES = {
@@ -248,15 +250,23 @@ class GgufCheckpoint(Checkpoint):
 
     @property
     def weights_format(self) -> str:
-        return "gguf"
+        """ "gguf", or "gguf-blocks" when projections run on their blocks (other bits: another
+        snapshot namespace)."""
+        return "gguf-blocks" if self.keep_blocks else "gguf"
 
     @property
     def weight_names_matter(self) -> bool:
         return False
 
     def runtime_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes loaded at `dtype`; with `keep_blocks`, a matrix of block type at its file size."""
         size = torch.empty((), dtype=dtype).element_size()
-        return sum(math.prod(t.shape) * size for t in self.gguf.tensors.values())
+        return sum(
+            t.nbytes
+            if self.keep_blocks and t.type_name in KINDS and len(t.shape) == 2
+            else math.prod(t.shape) * size
+            for t in self.gguf.tensors.values()
+        )
 
     def open_tokenizer(self) -> Tokenizer:
         from keepwarm.engine.loading.gguf_tokenizer import tokenizer_from_gguf
@@ -278,6 +288,28 @@ class GgufCheckpoint(Checkpoint):
                 f"{self.path}: the GGUF metadata has no tokenizer.chat_template, so chat cannot be rendered"
             )
         return ChatTemplate(named["default"] if list(named) == ["default"] else named, tokenizer)
+
+    def load_linear(
+        self, name: str, dtype: torch.dtype, device: torch.device | str, shape: tuple[int, int]
+    ) -> torch.Tensor | QuantWeight:
+        parts = self.hf_to_gguf.get(name, ())
+        t = self.gguf.tensors[parts[0]] if len(parts) == 1 else None
+        if not self.keep_blocks or t is None or t.type_name not in KINDS or len(t.shape) != 2:
+            return super().load_linear(name, dtype, device, shape)
+        if tuple(t.shape) != tuple(shape):
+            raise CheckpointError(
+                f"{self.path.name} ({parts[0]}): weight {name!r} has shape {tuple(t.shape)}, "
+                f"the config implies {tuple(shape)}"
+            )
+        blocks = torch.from_numpy(np.array(self.gguf.raw(parts[0]), copy=True)).view(t.shape[0], -1)
+        if self.model_type == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = (
+                self.config["num_attention_heads"] if "q_proj" in name else self.config["num_key_value_heads"]
+            )
+            blocks = _unpermute_rope_rows(blocks, int(heads))
+        for report in self.on_load:
+            report()
+        return QuantWeight.from_gguf(t.type_name, blocks, int(t.shape[1])).to(device)  # type: ignore[arg-type]
 
     def _read(self, name: str) -> tuple[torch.Tensor, str]:
         parts = self.hf_to_gguf.get(name)
@@ -323,7 +355,7 @@ def _parsed(path: Path, size: int, mtime_ns: int) -> GgufFile:
     return GgufFile(path)
 
 
-def open_gguf(path: Path) -> GgufCheckpoint:
+def open_gguf(path: Path, keep_blocks: bool = False) -> GgufCheckpoint:
     try:
         st = path.stat()
         gguf = _parsed(path.resolve(), st.st_size, st.st_mtime_ns)
@@ -348,4 +380,11 @@ def open_gguf(path: Path) -> GgufCheckpoint:
             if set(parts) != set(want):
                 raise CheckpointError(f"{path}: layer {layer} needs both {want[0]} and {want[1]}")
             hf_to_gguf[hf] = want
-    return GgufCheckpoint(path, config, dict.fromkeys(hf_to_gguf, path), gguf=gguf, hf_to_gguf=hf_to_gguf)
+    return GgufCheckpoint(
+        path,
+        config,
+        dict.fromkeys(hf_to_gguf, path),
+        keep_blocks=keep_blocks,
+        gguf=gguf,
+        hf_to_gguf=hf_to_gguf,
+    )

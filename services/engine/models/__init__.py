@@ -35,6 +35,33 @@ MODEL_TYPE_TO_FAMILY = {
 }
 
 
+BLOCK_FAMILIES = frozenset({"dense"})  # families whose projections run on quantized blocks
+
+
+def keeps_blocks(weights: str, ckpt: Checkpoint, placement: Placement) -> bool:
+    """Whether `--weights` (auto, as-file, bf16) keeps this checkpoint's quantized projections in
+    their blocks: a GGUF file, a family in BLOCK_FAMILIES, every stage on the CPU, and the block
+    kernel built for this CPU. `as-file` where one of those fails raises, naming it; `auto`
+    then dequantizes."""
+    if weights == "bf16":
+        return False
+    from keepwarm.kernels import cpu_quant_linear
+
+    why = None
+    family = MODEL_TYPE_TO_FAMILY.get(ckpt.model_type, ckpt.model_type)
+    if ckpt.weights_format not in ("gguf", "gguf-blocks"):
+        why = f"{ckpt.path} is not a GGUF file (its weights have no quantized blocks)"
+    elif family not in BLOCK_FAMILIES:
+        why = f"the {family} family runs dequantized weights only (block weights: {', '.join(sorted(BLOCK_FAMILIES))})"
+    elif any(d.type != "cpu" for d in placement.devices):
+        why = "quantized blocks run on the CPU only (no GPU kernel for them yet)"
+    elif not cpu_quant_linear.available():
+        why = "the block kernel is not built for this CPU (x86 with AVX2, FMA and F16C)"
+    if why is not None and weights == "as-file":
+        raise CheckpointError(f"--weights as-file: {why}; use --weights bf16 (or auto)")
+    return why is None
+
+
 def build_backend(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype, ops: Ops) -> Backend:
     """The family's backend with its layers placed by `where` (one device: every layer there).
     `ops` must run on every device of the placement (Placement.ops)."""

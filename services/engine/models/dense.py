@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from keepwarm.engine.cache.snapshot import LOGITS, Geometry, Snapshot, SnapshotMismatch, TensorSpec
 from keepwarm.engine.cache.snapshot_file import Alloc
@@ -26,6 +25,7 @@ from keepwarm.engine.models.moe import Moe, load_experts, moe
 from keepwarm.engine.models.placement import Placement
 from keepwarm.engine.models.rope import Rope, build_rope
 from keepwarm.kernels.ops import Ops
+from keepwarm.kernels.quant_weight import Weight, cat_rows, embedding
 
 
 @dataclass(frozen=True)
@@ -173,17 +173,17 @@ def refuse_unsupported_fields(cfg: dict[str, Any]) -> None:
 @dataclass
 class _Layer:
     input_norm: torch.Tensor
-    w_qkv: torch.Tensor  # [(Hq + 2 Hkv) D, hidden]: q, k, v projections fused
+    w_qkv: Weight  # [(Hq + 2 Hkv) D, hidden]: q, k, v projections fused
     b_qkv: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    w_o: torch.Tensor
+    w_o: Weight
     b_o: torch.Tensor | None
     post_norm: torch.Tensor
     # the MLP: dense (gate and up fused [2 I, hidden], down) or, on a qwen3_moe sparse layer, `moe`
-    w_gate_up: torch.Tensor | None
+    w_gate_up: Weight | None
     b_gate_up: torch.Tensor | None
-    w_down: torch.Tensor | None
+    w_down: Weight | None
     b_down: torch.Tensor | None
     moe: Moe | None = None
 
@@ -206,8 +206,8 @@ class DenseBackend:
         self.dtype = dtype
         self.ops = ops
         self.vocab_size = cfg.vocab_size
-        self.embed: torch.Tensor = weights["embed"]
-        self.lm_head: torch.Tensor = weights["lm_head"]
+        self.embed: Weight = weights["embed"]
+        self.lm_head: Weight = weights["lm_head"]
         self.final_norm: torch.Tensor = weights["final_norm"]
         self.layers: list[_Layer] = weights["layers"]
         self.rope: Rope = build_rope(raw_cfg, cfg.head_dim, placement.first)
@@ -303,7 +303,7 @@ class DenseBackend:
         t = sum(lens)
         offs = list(itertools.accumulate(lens, initial=0))[:-1]  # sequence j's first row of the step
         tokens = torch.cat([ch.reshape(-1) for ch in chunks]).to(self.device)
-        x = F.embedding(tokens, self.embed)
+        x = embedding(tokens, self.embed, self.dtype)
         if len(states) == 1:
             cos, sin = self.rope.cos_sin(starts[0], t, self.dtype)
         else:
@@ -327,7 +327,7 @@ class DenseBackend:
             assert len(states) == 1, "all_logits is for one sequence"
         else:
             x = x[-1:] if len(states) == 1 else x[[off + n - 1 for off, n in zip(offs, lens, strict=True)]]
-        logits = ops.linear(ops.rms_norm(x, self.final_norm, c.rms_norm_eps), self.lm_head).float()
+        logits = ops.project(ops.rms_norm(x, self.final_norm, c.rms_norm_eps), self.lm_head).float()
         rows = [logits[-1]] if all_logits else list(logits)
         for state, start, n, row in zip(states, starts, lens, rows, strict=True):
             state.position = start + n
@@ -342,7 +342,7 @@ class DenseBackend:
         t = x.shape[0]
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         h = ops.rms_norm(x, layer.input_norm, c.rms_norm_eps)
-        q, k, v = ops.linear(h, layer.w_qkv, layer.b_qkv).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = ops.project(h, layer.w_qkv, layer.b_qkv).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(t, c.num_heads, c.head_dim)
         k = k.view(t, c.num_kv_heads, c.head_dim)
         v = v.view(t, c.num_kv_heads, c.head_dim)
@@ -354,13 +354,13 @@ class DenseBackend:
     def _mlp(self, layer: _Layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The residual after attention [T, Hq, D] and the MLP: the layer's output [T, hidden]."""
         c, ops = self.cfg, self.ops
-        x = x + ops.linear(attn.reshape(x.shape[0], c.num_heads * c.head_dim), layer.w_o, layer.b_o)
+        x = x + ops.project(attn.reshape(x.shape[0], c.num_heads * c.head_dim), layer.w_o, layer.b_o)
         h = ops.rms_norm(x, layer.post_norm, c.rms_norm_eps)
         if layer.moe is not None:
             return x + moe(layer.moe, h, ops)
         assert layer.w_gate_up is not None and layer.w_down is not None
-        gate, up = ops.linear(h, layer.w_gate_up, layer.b_gate_up).chunk(2, dim=-1)
-        return x + ops.linear(ops.silu_mul(gate, up), layer.w_down, layer.b_down)
+        gate, up = ops.project(h, layer.w_gate_up, layer.b_gate_up).chunk(2, dim=-1)
+        return x + ops.project(ops.silu_mul(gate, up), layer.w_down, layer.b_down)
 
     # -- static decode (a CUDA graph captures it: generation/decode_graph.py) ---------
     def static_decode(self, max_context: int) -> bool:
@@ -394,7 +394,7 @@ class DenseBackend:
         c, ops = self.cfg, self.ops
         assert ops.decode_attention_table is not None and ops.write_rows is not None
         cos_table, sin_table = self.rope.tables[self.dtype]
-        x = F.embedding(tokens, self.embed)
+        x = embedding(tokens, self.embed, self.dtype)
         cos, sin = cos_table.index_select(0, positions), sin_table.index_select(0, positions)
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin)
@@ -403,7 +403,7 @@ class DenseBackend:
             ops.write_rows(v, v_table, positions)
             attn = ops.decode_attention_table(q, k_table, v_table, positions, self.scale, c.num_kv_heads)
             x = self._mlp(layer, x, attn)
-        return ops.linear(ops.rms_norm(x, self.final_norm, c.rms_norm_eps), self.lm_head).float()
+        return ops.project(ops.rms_norm(x, self.final_norm, c.rms_norm_eps), self.lm_head).float()
 
     def _attention(
         self,
@@ -452,17 +452,20 @@ def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype,
     def w(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return ckpt.load(name, dtype, device, shape=shape)
 
+    def wl(name: str, shape: tuple[int, int]) -> Weight:  # a projection: blocks where kept
+        return ckpt.load_linear(name, dtype, device, shape)
+
     layers = []
     for i in range(cfg.num_layers):
         device = placement.device_of(i)
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
         wq, wk, wv = (
-            w(a + "q_proj.weight", (q_size, hid)),
-            w(a + "k_proj.weight", (kv_size, hid)),
-            w(a + "v_proj.weight", (kv_size, hid)),
+            wl(a + "q_proj.weight", (q_size, hid)),
+            wl(a + "k_proj.weight", (kv_size, hid)),
+            wl(a + "v_proj.weight", (kv_size, hid)),
         )
-        w_qkv = torch.cat([wq, wk, wv], dim=0)
+        w_qkv = cat_rows([wq, wk, wv])
         del wq, wk, wv
         inter = cfg.intermediate_size
         sparse = cfg.is_sparse(i)
@@ -480,10 +483,10 @@ def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype,
             )
             del gate_up, down
         else:
-            wg, wu = w(m + "gate_proj.weight", (inter, hid)), w(m + "up_proj.weight", (inter, hid))
-            w_gate_up = torch.cat([wg, wu], dim=0)
+            wg, wu = wl(m + "gate_proj.weight", (inter, hid)), wl(m + "up_proj.weight", (inter, hid))
+            w_gate_up = cat_rows([wg, wu])
             del wg, wu
-            w_down = w(m + "down_proj.weight", (hid, inter))
+            w_down = wl(m + "down_proj.weight", (hid, inter))
         layers.append(
             _Layer(
                 input_norm=w(p + "input_layernorm.weight", (hid,)),
@@ -501,7 +504,7 @@ def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype,
                 else None,
                 q_norm=w(a + "q_norm.weight", (d,)) if cfg.qk_norm else None,
                 k_norm=w(a + "k_norm.weight", (d,)) if cfg.qk_norm else None,
-                w_o=w(a + "o_proj.weight", (hid, q_size)),
+                w_o=wl(a + "o_proj.weight", (hid, q_size)),
                 b_o=w(a + "o_proj.bias", (hid,)) if cfg.o_bias else None,
                 post_norm=w(p + "post_attention_layernorm.weight", (hid,)),
                 w_gate_up=w_gate_up,
@@ -514,10 +517,10 @@ def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype,
             )
         )
     device = placement.first
-    embed = w("model.embed_tokens.weight", (cfg.vocab_size, hid))
+    embed = wl("model.embed_tokens.weight", (cfg.vocab_size, hid))
     device = placement.last
     if ckpt.has("lm_head.weight"):
-        lm_head = w("lm_head.weight", (cfg.vocab_size, hid))
+        lm_head = wl("lm_head.weight", (cfg.vocab_size, hid))
     elif cfg.tie_word_embeddings:
         lm_head = embed.to(device)  # the same tensor unless the first and last stage differ
     else:

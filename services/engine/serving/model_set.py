@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from keepwarm.engine.config import EngineConfig
-from keepwarm.engine.engine import Engine, EngineStats
+from keepwarm.engine.engine import Engine, EngineStats, open_model
 from keepwarm.engine.generation.request import RequestError
 from keepwarm.engine.loading.checkpoint import CheckpointError, open_checkpoint
 from keepwarm.engine.models import MODEL_TYPE_TO_FAMILY
@@ -74,9 +74,10 @@ def served_configs(cfg: EngineConfig) -> list[EngineConfig]:
     return [replace(cfg, model=p, models=(), model_name="") for p in cfg.models]
 
 
-def weight_bytes(model: Path, dtype: torch.dtype) -> int:
-    """Bytes of a checkpoint's tensors at `dtype` (integer tensors as stored)."""
-    return open_checkpoint(model).runtime_bytes(dtype)
+def weight_bytes(cfg: EngineConfig) -> int:
+    """Bytes of a model's weights as `cfg` loads them (at its dtype, or in their quantized blocks
+    where --weights keeps them; integer tensors as stored)."""
+    return open_model(cfg)[0].runtime_bytes(cfg.torch_dtype)
 
 
 class ModelSet:
@@ -107,7 +108,7 @@ class ModelSet:
                     if name in self.slots
                     else f"a model folder may not be called {wire.DEFAULT_MODEL!r} (that id names the default model)"
                 )
-            size = weight_bytes(c.model, c.torch_dtype)
+            size = weight_bytes(c)
             if budget_bytes and size > budget_bytes:
                 raise CheckpointError(
                     f"--models-budget {budget_bytes} bytes cannot hold {name!r} alone ({size} bytes of "

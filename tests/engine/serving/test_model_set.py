@@ -13,9 +13,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
-from keepwarm.engine.config import ConfigError, add_engine_args, config_from
+from keepwarm.engine.config import ConfigError, EngineConfig, add_engine_args, config_from
 from keepwarm.engine.serving.model_set import ModelSet, served_configs, weight_bytes
 from tests.api.procs import Proc, start_engine
 from tests.engine.serving.test_server import metric
@@ -35,7 +34,7 @@ def models_folder(tiny_dense_model: Path, tmp_path_factory: pytest.TempPathFacto
     return root
 
 
-def _parse(argv: list[str], env: dict[str, str] | None = None) -> object:
+def _parse(argv: list[str], env: dict[str, str] | None = None) -> EngineConfig:
     p = argparse.ArgumentParser()
     add_engine_args(p)
     return config_from(p.parse_args(argv), env or {}, cache_dir_default=False)
@@ -75,8 +74,11 @@ def test_queue_figures_never_wait_for_a_load_or_a_park(models_folder: Path, tmp_
 
 @pytest.fixture(scope="module")
 def engine(models_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    one = weight_bytes(models_folder / "alpha", torch.float32)
-    assert weight_bytes(models_folder / "beta", torch.float32) == one
+    one, two = (
+        weight_bytes(_parse(["--model", str(models_folder / m), "--dtype", "float32"]))
+        for m in ("alpha", "beta")
+    )
+    assert two == one
     tmp = tmp_path_factory.mktemp("model-set")
     proc = start_engine(
         models_folder,

@@ -1,0 +1,103 @@
+"""The block product (kernels/cpu_quant_linear.py): within fp32 rounding of the dense product with
+the blocks' exact values, for Q8_0, Q4_0 and Q4_1, bf16 and fp32 activations, with and without
+a bias; and a row's bits do not depend on how many rows the call has or where the row sits (the
+4-row tiles and the single rows compute each row with one instruction sequence)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from keepwarm.kernels import cpu_quant_linear, reference
+from keepwarm.kernels.invariance import probe_quant_linear
+from keepwarm.kernels.quant_weight import BLOCK_BYTES, KINDS, QuantKind, QuantWeight
+
+pytestmark = pytest.mark.skipif(
+    not cpu_quant_linear.available(),
+    reason="the block kernel needs an x86 CPU with AVX2, FMA and F16C (or its build failed)",
+)
+
+
+def random_blocks(kind: QuantKind, n: int, k: int, seed: int = 0) -> QuantWeight:
+    """Random integer values with realistic scales: d in [1e-3, 1.1e-2], m in [-0.05, 0]."""
+    g = torch.Generator().manual_seed(seed)
+    nb = k // 32
+    b = torch.randint(0, 256, (n, nb, BLOCK_BYTES[kind]), dtype=torch.uint8, generator=g)
+    d = (torch.rand(n, nb, 1, generator=g) * 0.01 + 0.001).half()
+    b[:, :, 0:2] = d.view(torch.uint8).reshape(n, nb, 2)
+    if kind == "Q4_1":
+        m = (-torch.rand(n, nb, 1, generator=g) * 0.05).half()
+        b[:, :, 2:4] = m.view(torch.uint8).reshape(n, nb, 2)
+    return QuantWeight.from_gguf(kind, b.reshape(n, -1).contiguous(), k)
+
+
+def activation_error_bound(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    """|y - x W^T| allowed by the int16 activations: per element at most half a step (amax of
+    its block / 32767), times |w|, summed; plus fp32 rounding of the sums."""
+    xf = x.float().reshape(-1, w.in_features)
+    amax = xf.reshape(xf.shape[0], -1, 32).abs().amax(-1, keepdim=True)
+    half_step = (amax / 32767 / 2).expand(-1, -1, 32).reshape(xf.shape)
+    dense = w.dequantize()
+    rounding = 1e-6 * (xf.abs() @ dense.abs().T)
+    return (half_step @ dense.abs().T + rounding).reshape(*x.shape[:-1], -1)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_close_to_the_dense_product(kind: QuantKind, dtype: torch.dtype, with_bias: bool) -> None:
+    w = random_blocks(kind, 70, 576)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 11, 576, generator=g).to(dtype)
+    x[0, 0, 32:64] = 0  # an all-zero block
+    bias = torch.randn(70, generator=g).to(dtype) if with_bias else None
+    assert cpu_quant_linear.uses_kernel(x, w, bias)
+    y = cpu_quant_linear.linear(x, w, bias)
+    exact = torch.nn.functional.linear(
+        x.double(), w.dequantize().double(), None if bias is None else bias.double()
+    )
+    assert y.dtype == dtype and y.shape == (3, 11, 70)
+    bound = activation_error_bound(x, w).double()
+    if dtype == torch.bfloat16:  # plus the output's rounding to bf16: half a step of 2^-8
+        bound = bound + exact.abs() * 2.0**-8
+    err = (y.double() - exact).abs()
+    assert bool((err <= bound).all()), float((err - bound).max())
+    assert float(bound.max()) < 0.02 * float(exact.abs().max())  # and the bound is tight
+    ref = reference.quant_linear(x, w, bias)  # the torch reference: the exact weights in fp32
+    assert bool(((ref.double() - exact).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_bits_do_not_depend_on_the_call(kind: QuantKind, dtype: torch.dtype) -> None:
+    w = random_blocks(kind, 50, 1536, seed=2)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 1536, generator=g).to(dtype)
+    bias = torch.randn(50, generator=g).to(dtype)
+    y = cpu_quant_linear.linear(x, w, bias)
+    for a, b in ((0, 1), (0, 4), (1, 5), (3, 12), (5, 37), (36, 37)):
+        assert torch.equal(cpu_quant_linear.linear(x[a:b], w, bias), y[a:b]), (a, b)
+    # the start-up self-check's probe agrees
+    assert probe_quant_linear(cpu_quant_linear.linear, w, bias, dtype) is None
+
+
+def test_rows_and_columns_of_a_fused_projection_are_the_parts() -> None:
+    from keepwarm.kernels.quant_weight import cat_rows
+
+    a, b = random_blocks("Q4_1", 24, 64, seed=4), random_blocks("Q4_1", 40, 64, seed=5)
+    fused = cat_rows([a, b])
+    assert isinstance(fused, QuantWeight) and fused.shape == (64, 64)
+    x = torch.randn(5, 64).bfloat16()
+    y = cpu_quant_linear.linear(x, fused)
+    assert torch.equal(y[:, :24], cpu_quant_linear.linear(x, a))
+    assert torch.equal(y[:, 24:], cpu_quant_linear.linear(x, b))
+
+
+def test_the_kernels_refusals() -> None:
+    w = random_blocks("Q8_0", 8, 64)
+    with pytest.raises(RuntimeError, match="last dim must be K"):
+        cpu_quant_linear.extension().quant_linear(torch.randn(2, 32), w.blocks, 0, 64)  # type: ignore[union-attr]
+    # float16 x is not the kernel's: the reference answers
+    x = torch.randn(2, 64).half()
+    assert not cpu_quant_linear.uses_kernel(x, w)
+    assert cpu_quant_linear.linear(x, w).dtype == torch.float16
