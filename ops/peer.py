@@ -488,7 +488,7 @@ def readme_table(r: dict[str, Any], machine: str, date: str) -> str:
     commit = peer.get("llama_cpp_commit") or peer.get("llama_cpp_build")
     built = f"llama.cpp {commit}" if commit else "its vendored llama.cpp; the sdist records no commit"
     lines = [
-        f"{machine}, {date}; `{Path(r['model']).name}`, {r['threads']} threads, keepwarm {r['dtype']}, "
+        f"{machine}, {date}; `{Path(r['model']).name}`, {r['threads']} threads, keepwarm {r['dtype']} with its default --weights (a GGUF's Q8_0 / Q4 projections on their blocks), "
         f"llama-server from llama-cpp-python {peer.get('llama_cpp_python', '?')} ({built}); "
         f"median of {r['rounds']} interleaved rounds; load average {r['load_average_before']:.2f} before, "
         f"{r['load_average_after']:.2f} after.",
