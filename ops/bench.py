@@ -7,6 +7,8 @@
                                                  agents in tool loops over a long system prompt
   ops/bench peer   [--model GGUF] [--json PATH]  keepwarm vs llama.cpp's llama-server on the same file,
                                                  interleaved rounds, ratios keepwarm / llama.cpp (ops/peer.py)
+  ops/bench quality [--model GGUF] [--json PATH] perplexity on a fixed English text (ops/data/gpl-3.0.txt)
+                                                 with the weights dequantized and on their blocks
 
 Speed lives here, never in tests.
 """
@@ -99,9 +101,9 @@ def _engine_speed(
         for _ in range(decode_tokens):
             tok = int(torch.argmax(backend.decode(st, tok)))
         decode[ctx] = (time.perf_counter() - t0) / decode_tokens
-    weights = {id(t): t for t in _tensors(backend)}
-    weights_bytes = sum(t.numel() * t.element_size() for t in weights.values())
-    return min(pre), decode, weights_bytes
+    from keepwarm.engine.models.backend import weight_bytes_by_type
+
+    return min(pre), decode, sum(weight_bytes_by_type(backend).values())
 
 
 def bench_engine(
@@ -282,21 +284,6 @@ def _vocab_size(model: Path) -> int:
     return int(open_checkpoint(model).config["vocab_size"])
 
 
-def _tensors(obj: object, depth: int = 0) -> list[torch.Tensor]:
-    """Every weight tensor reachable from a backend's attributes (shared ones once)."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if depth > 3:
-        return []
-    if isinstance(obj, (list, tuple)):
-        return [t for x in obj for t in _tensors(x, depth + 1)]
-    if isinstance(obj, dict):
-        return [t for x in obj.values() for t in _tensors(x, depth + 1)]
-    if hasattr(obj, "__dict__") and not isinstance(obj, type):
-        return [t for k, x in vars(obj).items() if k not in ("rope",) for t in _tensors(x, depth + 1)]
-    return []
-
-
 def _bench_transformers(
     model: Path, dtype: torch.dtype, toks: list[int], decode_tokens: int
 ) -> tuple[float, float]:
@@ -403,6 +390,37 @@ def _long_request_maker(engine: Any, target: int) -> Callable[[], Any]:
     corpus = (Path(__file__).resolve().parent.parent / "services/engine/demo/data/corpus.txt").read_text()
     tokens = engine.tokenizer.encode(corpus, add_special_tokens=True)[:target]
     return lambda: _raw_req(tokens)
+
+
+QUALITY_TEXT = Path(__file__).with_name("data") / "gpl-3.0.txt"  # FSF: verbatim copies allowed
+
+
+def bench_quality(model: Path, dtype: torch.dtype, tokens: int) -> dict[str, Any]:
+    """Perplexity of the model on the first `tokens` tokens of QUALITY_TEXT (one forward, every
+    position's logits), with the weights dequantized to `dtype` (--weights bf16) and, for a GGUF
+    file, on their quantized blocks (--weights as-file); the ratio as-file / dequantized."""
+    from keepwarm.engine.loading.checkpoint import gguf_in, open_checkpoint
+    from keepwarm.engine.models import build_backend
+    from keepwarm.kernels.ops import ops_for
+
+    dev = torch.device("cpu")
+    out: dict[str, Any] = {"model": model_id(model), "dtype": str(dtype).removeprefix("torch."),
+                           "text": QUALITY_TEXT.name}  # fmt: skip
+    modes = [("bf16", False)] + ([("as_file", True)] if gguf_in(Path(model)) is not None else [])
+    for name, keep in modes:
+        ckpt = open_checkpoint(model, keep_blocks=keep)
+        ids = ckpt.open_tokenizer().encode(QUALITY_TEXT.read_text())[:tokens]
+        backend = build_backend(ckpt, dev, dtype, ops_for(dev))
+        t0 = time.perf_counter()
+        logits = backend.forward(backend.new_state(len(ids)), torch.tensor(ids), all_logits=True).float()
+        nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]))
+        out[f"ppl_{name}"] = float(torch.exp(nll))
+        out[f"seconds_{name}"] = time.perf_counter() - t0
+        out["tokens"] = len(ids)
+    if "ppl_as_file" in out:
+        out["ppl_ratio_as_file"] = out["ppl_as_file"] / out["ppl_bf16"]
+    out["load_average"] = os.getloadavg()
+    return out
 
 
 def bench_cache(
@@ -786,7 +804,7 @@ def bench_serve(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["engine", "cache", "serve", "peer"])
+    p.add_argument("what", choices=["engine", "cache", "serve", "peer", "quality"])
     p.add_argument(
         "--model",
         type=packaged_model.resolve,
@@ -868,6 +886,8 @@ def main(argv: list[str] | None = None) -> int:
         if a.quant:
             model = peer.requantized(a.model, a.quant, bin_dir, bin_dir.parent / "models")
         result = peer.bench_peer(model, a.threads, bin_dir, a.rounds, a.idle_wait, work, a.dtype)
+    elif a.what == "quality":
+        result = bench_quality(a.model, DTYPES[a.dtype], a.prompt_tokens)
     elif a.what == "cache":
         result = bench_cache(a.model, a.dtype, a.prompt_tokens, a.threads, a.deterministic == "true")
     else:

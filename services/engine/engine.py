@@ -51,6 +51,7 @@ from keepwarm.engine.generation.stopping import StopChecker
 from keepwarm.engine.loading.chat_template import ChatTemplate, ChatTemplateError
 from keepwarm.engine.loading.checkpoint import Checkpoint, open_checkpoint
 from keepwarm.engine.models import build_backend, keeps_blocks
+from keepwarm.engine.models.backend import weight_bytes_by_type
 from keepwarm.engine.models.placement import Placement
 from keepwarm.engine.serving.tool_calls import encode_chat_with_tools, tool_format_for
 
@@ -115,6 +116,7 @@ class Engine:
         self.backend = build_backend(
             self.ckpt, self.placement, cfg.torch_dtype, self.placement.ops(cfg.use_triton, cfg.deterministic)
         )
+        self.weight_bytes_by_type = weight_bytes_by_type(self.backend)  # /metrics
         graphs = DecodeGraphs.for_backend(self.backend, cfg.max_seqs, cfg.max_context, cfg.enforce_eager)
         self.runner = Runner(self.backend, graphs)
         fingerprint_cache = cfg.cache_dir / "fingerprints.json" if cfg.cache_dir else None

@@ -14,6 +14,7 @@ import torch
 
 from keepwarm.engine.cache.snapshot import Geometry, Snapshot
 from keepwarm.engine.models.placement import Placement
+from keepwarm.kernels.quant_weight import QuantWeight
 
 
 @dataclass
@@ -107,3 +108,35 @@ def step_each(backend: Backend, states: Sequence[State], chunks: Sequence[torch.
     tested against, and the fallback for a family without a batched forward."""
     assert len(states) == len(chunks) and states, "step needs one chunk per state"
     return torch.stack([backend.prefill(s, c) for s, c in zip(states, chunks, strict=True)])
+
+
+def weight_bytes_by_type(backend: object) -> dict[str, int]:
+    """Bytes of the weights reachable from a backend's attributes (each tensor once, the rotary
+    tables excluded), by type: a block kind (`Q4_1`, ...) or a tensor dtype (`bfloat16`, ...)."""
+    seen: set[int] = set()
+    out: dict[str, int] = {}
+
+    def walk(obj: object, depth: int) -> None:
+        if isinstance(obj, QuantWeight):
+            if id(obj.blocks) not in seen:
+                seen.add(id(obj.blocks))
+                out[obj.kind] = out.get(obj.kind, 0) + obj.nbytes
+        elif isinstance(obj, torch.Tensor):
+            if id(obj) not in seen:
+                seen.add(id(obj))
+                kind = str(obj.dtype).removeprefix("torch.")
+                out[kind] = out.get(kind, 0) + obj.numel() * obj.element_size()
+        elif depth <= 3:
+            if isinstance(obj, (list, tuple)):
+                items: Sequence[object] = obj
+            elif isinstance(obj, dict):
+                items = list(obj.values())
+            elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+                items = [x for k, x in vars(obj).items() if k != "rope"]
+            else:
+                return
+            for x in items:
+                walk(x, depth + 1)
+
+    walk(backend, 0)
+    return out

@@ -131,6 +131,11 @@ class EngineCollector:
         size = GaugeMetricFamily(
             "keepwarm_model_weight_bytes", "The model's weights when loaded", labels=["model"]
         )
+        by_type = GaugeMetricFamily(
+            "keepwarm_model_weight_bytes_by_type",
+            "A loaded model's weights by type: a quantized block kind (Q4_1, Q8_0, ...) or a dtype",
+            labels=["model", "type"],
+        )
         loads = CounterMetricFamily("keepwarm_model_loads", "Model loads (first request, or back from parked)",
                                     labels=["model"])  # fmt: skip
         load_s = CounterMetricFamily(
@@ -146,11 +151,15 @@ class EngineCollector:
             name = [slot.name]
             loaded.add_metric(name, 1 if slot.residency == LOADED else 0)
             size.add_metric(name, slot.weight_bytes)
+            engine = slot.engine
+            if engine is not None:
+                for kind, nbytes in sorted(engine.weight_bytes_by_type.items()):
+                    by_type.add_metric([slot.name, kind], nbytes)
             loads.add_metric(name, slot.loads)
             load_s.add_metric(name, slot.load_seconds)
             parks.add_metric(name, slot.parks)
             park_s.add_metric(name, slot.park_seconds)
-        yield from (loaded, size, loads, load_s, parks, park_s)
+        yield from (loaded, size, by_type, loads, load_s, parks, park_s)
         yield GaugeMetricFamily(
             "keepwarm_models_budget_bytes", "Weights the loaded models may hold together (0: no limit)",
             value=self.models.budget_bytes,

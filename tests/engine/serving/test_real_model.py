@@ -158,3 +158,25 @@ def test_after_a_restart_the_disk_snapshot_gives_the_same_reply_bit_for_bit(
     assert second["usage"]["timings"]["cache_source"] == "disk"
     assert second["choices"][0]["message"] == first["choices"][0]["message"]
     assert second["choices"][0]["logprobs"] == first["choices"][0]["logprobs"]
+
+
+def test_metrics_report_the_weights_by_type_within_a_tenth_of_the_file(
+    engine: Proc, smollm2_model: Path
+) -> None:
+    """The default --weights keeps the file's Q4_1 projections and Q8_0 embedding in their blocks:
+    /metrics reports each type's bytes, the blocks exactly the file's tensors of that type."""
+    from keepwarm.engine.loading.gguf_file import GgufFile
+
+    chat(engine, [{"role": "user", "content": "Hi"}], max_tokens=1)  # loaded
+    text = httpx.get(engine.url + "/metrics", timeout=30).text
+    rows = {
+        line.split('type="')[1].split('"')[0]: float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("keepwarm_model_weight_bytes_by_type{")
+    }
+    file_bytes: dict[str, int] = {}
+    for t in GgufFile(smollm2_model).tensors.values():
+        file_bytes[t.type_name] = file_bytes.get(t.type_name, 0) + t.nbytes
+    assert rows["Q4_1"] == file_bytes["Q4_1"] and rows["Q8_0"] == file_bytes["Q8_0"]
+    assert len(set(rows) - {"Q4_1", "Q8_0"}) == 1  # the norms, at the runtime dtype
+    assert sum(rows.values()) <= 1.1 * smollm2_model.stat().st_size
