@@ -122,6 +122,20 @@ class QuantWeight:
         return QuantWeight(self.kind, self.blocks.to(device), self.in_features)
 
 
+def quantize_q8_0(w: torch.Tensor) -> QuantWeight:
+    """A dense [N, K] matrix (K a multiple of 32) as Q8_0 blocks, by ggml's reference: per block
+    d = amax / 127 (stored as f16), q = roundf(x / d) with 1 / d computed once (0 for an all-zero
+    block), ties away from zero. The bytes equal the `gguf` package's quantize."""
+    n, k = w.shape
+    blocks = w.float().reshape(n, k // BLOCK, BLOCK)
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    v = blocks * inv
+    q = (torch.sign(v) * torch.floor(v.abs() + 0.5)).to(torch.int8)
+    raw = torch.cat([d.half().view(torch.uint8).reshape(n, -1, 2), q.view(torch.uint8)], dim=-1)
+    return QuantWeight.from_gguf("Q8_0", raw.reshape(n, -1), k)
+
+
 Weight: TypeAlias = torch.Tensor | QuantWeight  # a projection's weight: dense or in its blocks
 
 

@@ -397,8 +397,9 @@ QUALITY_TEXT = Path(__file__).with_name("data") / "gpl-3.0.txt"  # FSF: verbatim
 
 def bench_quality(model: Path, dtype: torch.dtype, tokens: int) -> dict[str, Any]:
     """Perplexity of the model on the first `tokens` tokens of QUALITY_TEXT (one forward, every
-    position's logits), with the weights dequantized to `dtype` (--weights bf16) and, for a GGUF
-    file, on their quantized blocks (--weights as-file); the ratio as-file / dequantized."""
+    position's logits), with the weights dequantized to `dtype` (--weights bf16) and on blocks: a
+    GGUF file's own (--weights as-file, keys `_as_file`), a folder's made Q8_0 at load
+    (--quantize q8_0, keys `_q8_0`); the ratio blocks / dequantized."""
     from keepwarm.engine.loading.checkpoint import gguf_in, open_checkpoint
     from keepwarm.engine.models import build_backend
     from keepwarm.kernels.ops import ops_for
@@ -406,9 +407,10 @@ def bench_quality(model: Path, dtype: torch.dtype, tokens: int) -> dict[str, Any
     dev = torch.device("cpu")
     out: dict[str, Any] = {"model": model_id(model), "dtype": str(dtype).removeprefix("torch."),
                            "text": QUALITY_TEXT.name}  # fmt: skip
-    modes = [("bf16", False)] + ([("as_file", True)] if gguf_in(Path(model)) is not None else [])
-    for name, keep in modes:
-        ckpt = open_checkpoint(model, keep_blocks=keep)
+    is_gguf = gguf_in(Path(model)) is not None
+    modes = [("bf16", {}), ("as_file", {"keep_blocks": True}) if is_gguf else ("q8_0", {"quantize": "q8_0"})]
+    for name, how in modes:
+        ckpt = open_checkpoint(model, **how)  # type: ignore[arg-type]
         ids = ckpt.open_tokenizer().encode(QUALITY_TEXT.read_text())[:tokens]
         backend = build_backend(ckpt, dev, dtype, ops_for(dev))
         t0 = time.perf_counter()
@@ -417,8 +419,8 @@ def bench_quality(model: Path, dtype: torch.dtype, tokens: int) -> dict[str, Any
         out[f"ppl_{name}"] = float(torch.exp(nll))
         out[f"seconds_{name}"] = time.perf_counter() - t0
         out["tokens"] = len(ids)
-    if "ppl_as_file" in out:
-        out["ppl_ratio_as_file"] = out["ppl_as_file"] / out["ppl_bf16"]
+    blocks = modes[1][0]
+    out[f"ppl_ratio_{blocks}"] = out[f"ppl_{blocks}"] / out["ppl_bf16"]
     out["load_average"] = os.getloadavg()
     return out
 

@@ -25,6 +25,7 @@ from keepwarm.engine.loading import packaged_model
 from keepwarm.settings import SettingsError, add_arguments, internal, parse_bool, setting
 
 WEIGHTS = ("auto", "as-file", "bf16")  # --weights
+QUANTIZE = ("", "q8_0")  # --quantize
 DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
@@ -142,6 +143,12 @@ class EngineConfig:
         help="how a GGUF file's quantized projections run: `as-file` (kept in their Q8_0 / Q4_0 / Q4_1 "
         "blocks and multiplied there: a third to a half of the memory; CPU, llama-style models), `bf16` "
         "(dequantized to --dtype at load), or `auto` (`as-file` where it applies, else dequantized)",
+    )
+    quantize: str = setting(
+        "",
+        default_text="(none)",
+        help="`q8_0`: a Hugging Face folder's projections quantized at load to Q8_0 blocks and multiplied "
+        "there (a bit over half the memory of bf16; CPU, llama-style models); a GGUF file is quantized already",
     )
     num_threads: int = setting(0, help="CPU threads; 0 = torch's default")
     max_context: int = setting(8192, help="state capacity in tokens; longer prompts get 413")
@@ -268,6 +275,10 @@ class EngineConfig:
             raise ConfigError(f"--dtype {self.dtype!r}: use one of {', '.join(sorted(DTYPES))}")
         if self.weights not in WEIGHTS:
             raise ConfigError(f"--weights {self.weights!r}: use one of {', '.join(WEIGHTS)}")
+        if self.quantize not in QUANTIZE:
+            raise ConfigError(f"--quantize {self.quantize!r}: use q8_0 (or leave it unset)")
+        if self.quantize and (self.device != "cpu" or "cuda" in self.layer_split):
+            raise ConfigError("--quantize runs on the CPU only (no GPU kernel for quantized blocks yet)")
         if self.weights == "as-file" and (self.device != "cpu" or "cuda" in self.layer_split):
             raise ConfigError(
                 "--weights as-file runs on the CPU only (no GPU kernel for quantized blocks yet); "

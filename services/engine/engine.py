@@ -50,7 +50,7 @@ from keepwarm.engine.generation.state_memory import StateMemory
 from keepwarm.engine.generation.stopping import StopChecker
 from keepwarm.engine.loading.chat_template import ChatTemplate, ChatTemplateError
 from keepwarm.engine.loading.checkpoint import Checkpoint, open_checkpoint
-from keepwarm.engine.models import build_backend, keeps_blocks
+from keepwarm.engine.models import build_backend, check_quantize, keeps_blocks
 from keepwarm.engine.models.backend import weight_bytes_by_type
 from keepwarm.engine.models.placement import Placement
 from keepwarm.engine.serving.tool_calls import encode_chat_with_tools, tool_format_for
@@ -96,10 +96,14 @@ class Prompt:
 
 def open_model(cfg: EngineConfig) -> tuple[Checkpoint, Placement]:
     """The checkpoint as `cfg` loads it (a GGUF file's quantized projections in their blocks
-    where --weights keeps them: models.keeps_blocks) and its placement."""
+    where --weights keeps them: models.keeps_blocks; a Hugging Face folder's made Q8_0 blocks
+    with --quantize q8_0) and its placement."""
     ckpt = open_checkpoint(cfg.model)
     placement = Placement.from_config(cfg.layer_split, cfg.device, ckpt.num_layers)
-    if keeps_blocks(cfg.weights, ckpt, placement):
+    if cfg.quantize:
+        check_quantize(cfg.quantize, ckpt, placement)
+        ckpt = open_checkpoint(cfg.model, quantize=cfg.quantize)
+    elif keeps_blocks(cfg.weights, ckpt, placement):
         ckpt = open_checkpoint(cfg.model, keep_blocks=True)  # the header is parsed once
     return ckpt, placement
 

@@ -72,3 +72,19 @@ def test_mixed_kinds_fuse_dense() -> None:
 def test_a_malformed_block_matrix_is_a_broken_invariant() -> None:
     with pytest.raises(AssertionError):
         QuantWeight("Q4_1", torch.zeros(3, 19, dtype=torch.uint8), 32)
+
+
+def test_q8_0_quantization_is_ggmls_bytes() -> None:
+    from gguf.quants import quantize
+
+    from keepwarm.kernels.quant_weight import quantize_q8_0
+
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(6, 128, generator=g) * 3
+    w[0, :32] = 0  # an all-zero block
+    w[1, 5] = 2.5 * w[1, :32].abs().max()  # a block whose largest value is exactly representable
+    ours = quantize_q8_0(w)
+    ref = quantize(w.numpy(), GGMLQuantizationType.Q8_0)
+    assert ungroup("Q8_0", ours.blocks).numpy().tobytes() == np.ascontiguousarray(ref).tobytes()
+    d = ours.dequantize()
+    assert float((d - w).abs().max()) <= float(w.abs().max()) / 127 / 2 * 1.01

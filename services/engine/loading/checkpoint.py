@@ -20,7 +20,7 @@ from safetensors import safe_open
 
 from keepwarm.engine.loading.chat_template import ChatTemplate
 from keepwarm.engine.loading.tokenizer import Tokenizer
-from keepwarm.kernels.quant_weight import QuantWeight
+from keepwarm.kernels.quant_weight import QuantWeight, quantize_q8_0
 
 _DTYPE_BYTES = {"I64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
@@ -37,6 +37,8 @@ class Checkpoint:
     # projections stay in their quantized blocks where the file has blocks the kernels multiply
     # (`load_linear`; a GGUF file's Q8_0 / Q4_0 / Q4_1): --weights as-file
     keep_blocks: bool = field(default=False, compare=False)
+    # "q8_0": a Hugging Face folder's projections quantized to Q8_0 blocks at load (--quantize)
+    quantize: str = field(default="", compare=False)
     # called after each weight is read (load progress: models/__init__.py's build_backend)
     on_load: list[Callable[[], None]] = field(default_factory=list, init=False, repr=False, compare=False)
 
@@ -63,8 +65,8 @@ class Checkpoint:
 
     @property
     def weights_format(self) -> str:
-        """How the weights are stored (part of a snapshot's namespace)."""
-        return "safetensors"
+        """How the weights are stored and run (part of a snapshot's namespace)."""
+        return f"safetensors-{self.quantize}" if self.quantize else "safetensors"
 
     @property
     def weight_names_matter(self) -> bool:
@@ -84,6 +86,15 @@ class Checkpoint:
                     for d in s.get_shape():
                         n *= int(d)
                     kind = s.get_dtype()
+                    shape = s.get_shape()
+                    if (
+                        self.quantize
+                        and kind.startswith(("F", "BF"))
+                        and len(shape) == 2
+                        and shape[1] % 32 == 0
+                    ):
+                        total += n // 32 * 34  # a matrix --quantize q8_0 may make blocks (the projections)
+                        continue
                     total += n * (size if kind.startswith(("F", "BF")) else _DTYPE_BYTES.get(kind, 1))
         return total
 
@@ -118,7 +129,10 @@ class Checkpoint:
         self, name: str, dtype: torch.dtype, device: torch.device | str, shape: tuple[int, int]
     ) -> torch.Tensor | QuantWeight:
         """A projection's weight [N, K]: in its blocks where `keep_blocks` and the file has
-        blocks the kernels multiply, else as `load` reads it."""
+        blocks the kernels multiply, made Q8_0 blocks with `quantize` (K a multiple of 32), else
+        as `load` reads it."""
+        if self.quantize == "q8_0" and shape[1] % 32 == 0:
+            return quantize_q8_0(self.load(name, torch.float32, "cpu", shape=shape)).to(device)
         return self.load(name, dtype, device, shape=shape)
 
     def _read(self, name: str) -> tuple[torch.Tensor, str]:
@@ -166,9 +180,10 @@ def gguf_in(path: Path) -> Path | None:
     return None
 
 
-def open_checkpoint(path: str | Path, keep_blocks: bool = False) -> Checkpoint:
+def open_checkpoint(path: str | Path, keep_blocks: bool = False, quantize: str = "") -> Checkpoint:
     """The checkpoint at `path` (a Hugging Face folder or a GGUF file); `keep_blocks`: a GGUF
-    file's quantized projections are loaded as blocks (Checkpoint.load_linear)."""
+    file's quantized projections are loaded as blocks; `quantize` ("q8_0"): a folder's are
+    quantized to blocks at load (Checkpoint.load_linear)."""
     root = Path(path).expanduser()
     gguf = gguf_in(root)
     if gguf is not None:
@@ -186,7 +201,7 @@ def open_checkpoint(path: str | Path, keep_blocks: bool = False) -> Checkpoint:
         config = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from e
-    return Checkpoint(root, config, _index_weights(root))
+    return Checkpoint(root, config, _index_weights(root), quantize=quantize)
 
 
 def _index_weights(root: Path) -> dict[str, Path]:

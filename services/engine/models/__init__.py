@@ -38,6 +38,20 @@ MODEL_TYPE_TO_FAMILY = {
 BLOCK_FAMILIES = frozenset({"dense"})  # families whose projections run on quantized blocks
 
 
+def _blocks_unsupported(ckpt: Checkpoint, placement: Placement) -> str | None:
+    """Why this checkpoint's projections cannot run on quantized blocks here (None: they can)."""
+    from keepwarm.kernels import cpu_quant_linear
+
+    family = MODEL_TYPE_TO_FAMILY.get(ckpt.model_type, ckpt.model_type)
+    if family not in BLOCK_FAMILIES:
+        return f"the {family} family runs dequantized weights only (block weights: {', '.join(sorted(BLOCK_FAMILIES))})"
+    if any(d.type != "cpu" for d in placement.devices):
+        return "quantized blocks run on the CPU only (no GPU kernel for them yet)"
+    if not cpu_quant_linear.available():
+        return "the block kernel is not built for this CPU (x86 with AVX2, FMA and F16C)"
+    return None
+
+
 def keeps_blocks(weights: str, ckpt: Checkpoint, placement: Placement) -> bool:
     """Whether `--weights` (auto, as-file, bf16) keeps this checkpoint's quantized projections in
     their blocks: a GGUF file, a family in BLOCK_FAMILIES, every stage on the CPU, and the block
@@ -45,21 +59,26 @@ def keeps_blocks(weights: str, ckpt: Checkpoint, placement: Placement) -> bool:
     then dequantizes."""
     if weights == "bf16":
         return False
-    from keepwarm.kernels import cpu_quant_linear
-
     why = None
-    family = MODEL_TYPE_TO_FAMILY.get(ckpt.model_type, ckpt.model_type)
     if ckpt.weights_format not in ("gguf", "gguf-blocks"):
         why = f"{ckpt.path} is not a GGUF file (its weights have no quantized blocks)"
-    elif family not in BLOCK_FAMILIES:
-        why = f"the {family} family runs dequantized weights only (block weights: {', '.join(sorted(BLOCK_FAMILIES))})"
-    elif any(d.type != "cpu" for d in placement.devices):
-        why = "quantized blocks run on the CPU only (no GPU kernel for them yet)"
-    elif not cpu_quant_linear.available():
-        why = "the block kernel is not built for this CPU (x86 with AVX2, FMA and F16C)"
+    else:
+        why = _blocks_unsupported(ckpt, placement)
     if why is not None and weights == "as-file":
         raise CheckpointError(f"--weights as-file: {why}; use --weights bf16 (or auto)")
     return why is None
+
+
+def check_quantize(quantize: str, ckpt: Checkpoint, placement: Placement) -> None:
+    """`--quantize q8_0` (a Hugging Face folder's projections made Q8_0 blocks at load) applies to
+    this checkpoint here, else a CheckpointError naming why."""
+    if ckpt.weights_format.startswith("gguf"):
+        raise CheckpointError(
+            f"--quantize {quantize}: {ckpt.path} is a GGUF file, quantized already (--weights picks how it runs)"
+        )
+    why = _blocks_unsupported(ckpt, placement)
+    if why is not None:
+        raise CheckpointError(f"--quantize {quantize}: {why}; drop --quantize")
 
 
 def build_backend(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype, ops: Ops) -> Backend:

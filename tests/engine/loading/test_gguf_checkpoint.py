@@ -299,7 +299,7 @@ def test_smollm2_on_its_blocks_stays_close_to_transformers(smollm2: dict) -> Non
 
 
 def test_as_file_applies_to_gguf_dense_on_the_cpu_and_is_refused_by_name_elsewhere(tmp_path: Path) -> None:
-    from keepwarm.engine.models import keeps_blocks
+    from keepwarm.engine.models import check_quantize, keeps_blocks
     from keepwarm.engine.models.placement import Placement
     from keepwarm.kernels import cpu_quant_linear
 
@@ -314,3 +314,7 @@ def test_as_file_applies_to_gguf_dense_on_the_cpu_and_is_refused_by_name_elsewhe
     assert keeps_blocks("auto", folder, two) is False
     with pytest.raises(CheckpointError, match="--weights as-file: .* is not a GGUF file"):
         keeps_blocks("as-file", folder, two)
+    # --quantize is for folders: a GGUF file is quantized already
+    with pytest.raises(CheckpointError, match="--quantize q8_0: .* is a GGUF file, quantized already"):
+        check_quantize("q8_0", gguf_ckpt, cpu)
+    check_quantize("q8_0", folder, two)  # a llama folder on the CPU: it applies

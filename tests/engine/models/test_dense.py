@@ -216,3 +216,32 @@ def test_clear_errors(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 100}))
     with pytest.raises(CheckpointError, match=r"mlp.gate_proj.weight.*shape"):
         build_backend(open_checkpoint(tmp_path), torch.device("cpu"), torch.float32, TORCH_OPS)
+
+
+@pytest.mark.parametrize("case", ["qwen2-gqa-bias-tied", "llama-mha-untied"])
+def test_quantize_q8_0_runs_the_projections_on_blocks_close_to_transformers(
+    case: str, tmp_path: Path
+) -> None:
+    """--quantize q8_0: the folder's projections become Q8_0 blocks at load (ggml's rounding); the
+    logits stay within the quantization's reach of transformers', a namespace of their own."""
+    from keepwarm.kernels.ops import cpu_ops
+    from keepwarm.kernels.quant_weight import QuantWeight, quantize_q8_0
+
+    model_type, extra = CASES[case]
+    ref = _save(tmp_path, model_type, extra)
+    ckpt = open_checkpoint(tmp_path, quantize="q8_0")
+    assert (
+        ckpt.weights_format == "safetensors-q8_0"
+        and open_checkpoint(tmp_path).weights_format == "safetensors"
+    )
+    ours = build_backend(ckpt, torch.device("cpu"), torch.float32, cpu_ops())
+    layer = ours.layers[0]
+    assert isinstance(layer.w_qkv, QuantWeight) and layer.w_qkv.kind == "Q8_0"
+    want_o = quantize_q8_0(ref.model.layers[0].self_attn.o_proj.weight.detach())
+    assert torch.equal(layer.w_o.blocks, want_o.blocks)  # the exact blocks of the source matrix
+    toks = _tokens(40)
+    with torch.no_grad():
+        want = ref(toks[None]).logits[0].float()
+    got = ours.forward(ours.new_state(64), toks, all_logits=True)
+    assert (got - want).abs().max().item() <= 0.05 * want.abs().max().item()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.9
