@@ -843,6 +843,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--agents", type=int, default=4, help="serve: agents at once (0: no agent workload)")
     p.add_argument("--agent-steps", type=int, default=8, help="serve: tool-loop steps per agent")
     p.add_argument("--no-reference", action="store_true", help="engine: skip the transformers reference")
+    p.add_argument("--no-start", action="store_true", help="engine: skip timing the engine's start")
     p.add_argument(
         "--peer-bin",
         type=Path,
@@ -872,7 +873,8 @@ def main(argv: list[str] | None = None) -> int:
         result = bench_engine(
             a.model, DTYPES[a.dtype], a.prompt_tokens, a.decode_tokens, a.chunk, not a.no_reference, contexts
         )
-        result.update(bench_start(a.model, a.dtype, a.threads))
+        if not a.no_start:
+            result.update(bench_start(a.model, a.dtype, a.threads))
     elif a.what == "peer":
         import dataclasses
 

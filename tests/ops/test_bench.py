@@ -68,15 +68,12 @@ def test_bench_cache_warm_answers_equal_the_cold_one(tiny_dense_model: Path, tmp
     assert r["snapshot_bytes"] > 0 and 0 < r["prompt_tokens"] <= 256
 
 
-def test_bench_engine_reports_the_start_times_and_both_weight_modes(
-    smollm2_model: Path, tmp_path: Path
-) -> None:
+def test_bench_engine_reports_the_start_times(tiny_dense_model: Path, tmp_path: Path) -> None:
     """`start_s_new_folder` and `start_s_warm`: the real engine process from spawn to /health on
-    a new cache folder, then on the same folder once its prefill cost model was persisted. On a
-    GGUF file, both --weights modes side by side: the quantized blocks hold under half the bytes."""
+    a new cache folder, then on the same folder once its prefill cost model was persisted."""
     r = _bench(
-        tmp_path, "engine", "--model", str(smollm2_model), "--no-reference", "--prompt-tokens", "32",
-        "--decode-tokens", "2", "--chunk", "32", "--decode-contexts", "16,40",
+        tmp_path, "engine", "--model", str(tiny_dense_model), "--no-reference", "--prompt-tokens", "32",
+        "--decode-tokens", "2", "--chunk", "32",
     )  # fmt: skip
     for key in ("start_s_new_folder", "start_s_warm", "start_warmup_s", "prefill_tok_s"):
         assert isinstance(r[key], float) and r[key] > 0, key
@@ -84,10 +81,21 @@ def test_bench_engine_reports_the_start_times_and_both_weight_modes(
     assert r["start_calibration_at_ready"] in ("waiting", "running", "done")
     assert r["start_calibration_warm"] == "persisted"
     assert r["kernels_prebuilt"] in (True, False, None)
+    assert "weights_bytes_as_file" not in r  # a safetensors folder: one weight mode
+
+
+def test_bench_engine_measures_both_weight_modes_of_a_gguf(smollm2_model: Path, tmp_path: Path) -> None:
+    """On a GGUF file, both --weights modes side by side: the quantized blocks hold under a third
+    of the dequantized bytes (float32 here)."""
+    r = _bench(
+        tmp_path, "engine", "--model", str(smollm2_model), "--no-reference", "--no-start", "--prompt-tokens",
+        "32", "--decode-tokens", "2", "--chunk", "32", "--decode-contexts", "16,40",
+    )  # fmt: skip
+    assert "start_s_warm" not in r
     for mode in ("as_file", "bf16"):
         for key in ("prefill_tok_s", "decode_tok_s_16", "decode_tok_s_40", "decode_roofline_fraction"):
             assert isinstance(r[f"{key}_{mode}"], float) and r[f"{key}_{mode}"] > 0, (key, mode)
-    # float32 here: 4 bytes a weight dequantized, 0.625 (Q4_1) and 1.06 (Q8_0) in blocks
+    # 4 bytes a weight dequantized, 0.625 (Q4_1) and 1.06 (Q8_0) in blocks
     assert r["weights_bytes_as_file"] < 0.3 * r["weights_bytes_bf16"]
     assert r["weights_ratio_as_file"] == r["weights_bytes_as_file"] / r["weights_bytes_bf16"]
 

@@ -59,7 +59,7 @@ def test_static_decode_equals_eager_step(tiny_dense_model: Path, device: str, dt
     static = _states(backend, torch.Generator().manual_seed(1))
     gen = torch.Generator().manual_seed(2)
     # three sequences (bucket 4: one padding row), then one alone, then the three again
-    for rows in ([0, 1, 2], [0, 1, 2], [1], [0, 1, 2], [2]):
+    for rows in ([0, 1, 2], [1], [0, 1, 2]):
         tokens = torch.randint(3, backend.vocab_size, (len(rows),), generator=gen).tolist()
         want = backend.step([eager[j] for j in rows], [torch.tensor([t]) for t in tokens])
         got = graphs.run([static[j] for j in rows], tokens)
@@ -121,10 +121,10 @@ def test_engine_output_with_and_without_the_static_step(tiny_dense_model: Path) 
                     return inner(states, tokens)
 
                 graphs.run = counted  # type: ignore[method-assign]
-            events, _, _ = _run_together(engine, [_request(p, 6) for p in prompts], arrive_at=[0, 1, 2])
+            events, _, _ = _run_together(engine, [_request(p, 4) for p in prompts], arrive_at=[0, 1, 2])
             outputs[eager] = [_tokens(ev) for _, ev in sorted(events.items())]
             assert (calls["n"] > 0) is not eager  # the decode steps went through the static step
         finally:
             engine.close()
     assert outputs[False] == outputs[True]
-    assert all(len(toks) == 6 for toks in outputs[True])
+    assert all(len(toks) == 4 for toks in outputs[True])
