@@ -2,8 +2,8 @@
 
   python -m keepwarm.kernels.build [--isa auto|supported|avx512_bf16|avx2] [--check] [--jobs N] [--quiet]
 
-Compiles the five extensions (cpu_linear, cpu_attention, cpu_rowwise, cpu_delta_rule,
-cpu_quant_linear) into the install's kernel folder (kernels/prebuilt.py: $KEEPWARM_KERNEL_DIR,
+Compiles the six extensions (cpu_linear, cpu_attention, cpu_rowwise, cpu_delta_rule,
+cpu_quant_linear, cpu_decode_step) into the install's kernel folder (kernels/prebuilt.py: $KEEPWARM_KERNEL_DIR,
 else <sys.prefix>/share/keepwarm/kernels/...), where the engine loads them from. A build already
 there for the same sources and flags is kept (a second run takes a second or two); older
 builds of the same extensions are removed.
@@ -30,6 +30,7 @@ from pathlib import Path
 
 from keepwarm.kernels import (
     cpu_attention,
+    cpu_decode_step,
     cpu_delta_rule,
     cpu_extension,
     cpu_linear,
@@ -65,6 +66,7 @@ KERNELS = (
     Kernel(
         cpu_quant_linear.SOURCE, cpu_quant_linear.EXTENSION_NAME, extra_flags=cpu_quant_linear.EXTRA_FLAGS
     ),
+    Kernel(cpu_decode_step.SOURCE, cpu_decode_step.EXTENSION_NAME),
 )
 
 

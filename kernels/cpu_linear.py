@@ -86,6 +86,7 @@ ISA_SUFFIX: dict[Isa, str] = {"avx512_bf16": "", "avx2": "_avx2"}
 ISA_ENV = "KEEPWARM_CPU_KERNEL_BUILD"
 CSRC = SOURCE.parent
 COMPAT_HEADER = CSRC / "avx512_compat.h"  # the AVX2 build's emulation of the AVX-512 intrinsics
+RAW_HEADER = CSRC / "raw_kernels.h"  # every extension's raw entry points (cpu_decode_step calls them)
 
 PrefillForm = Literal["fma", "dpbf16"]
 PREFILL_FORMS: tuple[PrefillForm, ...] = get_args(PrefillForm)
@@ -143,10 +144,12 @@ def headers_digest(headers: tuple[Path, ...]) -> str:
 
 
 def compile_flags(isa: Isa, headers: tuple[Path, ...] = ()) -> list[str]:
-    """The compiler flags of a build; the AVX2 build also hashes the compat header."""
+    """The compiler flags of a build, the headers it includes hashed in (every build: the raw
+    entry points' header; the AVX2 build: also the compat header)."""
+    headers = (*headers, RAW_HEADER)
     if isa == "avx2":
         headers = (*headers, COMPAT_HEADER)
-    return [*ISA_CFLAGS[isa], *([f"-DKEEPWARM_HEADERS={headers_digest(headers)}"] if headers else [])]
+    return [*ISA_CFLAGS[isa], f"-DKEEPWARM_HEADERS={headers_digest(headers)}"]
 
 
 def extension_name(name: str, isa: Isa) -> str:

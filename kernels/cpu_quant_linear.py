@@ -6,7 +6,8 @@ the uncached prefill on a quantized model too.
 The weights are used exactly; the activations are quantized per block of 32 to int16 (15 bits
 of a block's largest value, against bf16's 8 bits of each value: under the input's own
 rounding), so each block's dot product is an exact integer (vpmaddwd), scaled by the block's d
-times the activations' step, plus the block's m times the activations' exact sum (Q4_1). The
+times the activations' step (k-quants: the block's d * sc; Q6_K per half block), plus the
+block's m times the activations' exact sum (Q4_0, Q4_1, Q4_K, Q5_K). The
 result is the dense product with the exact weights to within about 1e-4 of the row's scale
 (reference.quant_linear is that product in torch; the C++ file has the exact formula).
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from keepwarm.kernels.cpu_decode_step import DecodeStep
 from keepwarm.kernels.ops import Ops
 from keepwarm.kernels.quant_weight import QuantWeight
 
@@ -379,10 +380,16 @@ class SelfCheck:
         )
         return ops.attention(q, k, *args, **kwargs)
 
+    def dense_decode_step(self, *args: Any) -> _CheckedStep | None:
+        assert self.fast.dense_decode_step is not None
+        step = self.fast.dense_decode_step(*args)
+        return None if step is None else _CheckedStep(step, self)
+
     def ops(self) -> Ops:
         """The checked bundle (named after the fast one)."""
         return replace(
             self.fast,
+            dense_decode_step=None if self.fast.dense_decode_step is None else self.dense_decode_step,
             attention=self.attention,
             rms_norm=self.rms_norm,
             rotary=self.rotary,
@@ -401,3 +408,21 @@ class SelfCheck:
             delta_rule_prefill=self.delta_rule_prefill,
             delta_rule_decode=self.delta_rule_decode,
         )
+
+
+class _CheckedStep:
+    """A fused decode step (kernels/cpu_decode_step.py) behind the self-check: its first step
+    answers None, so the per-operation path runs it and probes every kernel at these shapes (the
+    probes' keys do not depend on the row count); later steps run fused while invariant mode
+    holds, and answer None for good once it is refused."""
+
+    def __init__(self, step: DecodeStep, check: SelfCheck) -> None:
+        self.step, self.check, self.warm = step, check, False
+
+    def run(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list[int], positions: list[int]
+    ) -> torch.Tensor | None:
+        if self.check.refused is not None or not self.warm:
+            self.warm = True
+            return None
+        return self.step.run(x, cos, sin, caches, positions)

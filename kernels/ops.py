@@ -29,6 +29,9 @@ Shapes (one sequence, no batch dim):
       -> [B, Hq, D] and write_rows(rows [B, ...], table [B], positions [B]): decode over caches
       named by address (int64 data_ptr tables) with positions read on the device, so a CUDA
       graph can capture a decode step; None where the bundle has none (kernels/triton_invariant.py)
+  dense_decode_step(shape, layers, rotary_dim) -> a DecodeStep or None: a dense model's decode
+      step through all its layers in one native call, the per-op path's bits
+      (kernels/cpu_decode_step.py); the field None where the bundle has none
 Hq is a multiple of Hkv (GQA/MQA).
 
 Invariant mode (the CPU default): every op's result for a row (a token, a query) is the
@@ -48,6 +51,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +59,9 @@ import torch.nn.functional as F
 from keepwarm.kernels import reference
 from keepwarm.kernels.delta_rule import DeltaRuleFn, chunk_gated_delta_rule, recurrent_gated_delta_rule
 from keepwarm.kernels.quant_weight import QuantWeight
+
+if TYPE_CHECKING:
+    from keepwarm.kernels.cpu_decode_step import DecodeStep
 
 DecodeBatchFn = Callable[[torch.Tensor, Sequence[torch.Tensor], Sequence[torch.Tensor], float], torch.Tensor]
 
@@ -94,6 +101,7 @@ class Ops:
     decode_attention_batch: DecodeBatchFn = decode_each
     decode_attention_table: Callable[..., torch.Tensor] | None = None
     write_rows: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
+    dense_decode_step: Callable[..., DecodeStep | None] | None = None
 
     def project(
         self, x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None
@@ -141,7 +149,14 @@ def cpu_ops(invariant: bool = True) -> Ops:
     it, else the AVX2 build (avx2 + fma + f16c: the same kernels with the AVX-512 intrinsics
     emulated, equally invariant). Without either (or with a failed build) both are the
     references."""
-    from keepwarm.kernels import cpu_attention, cpu_delta_rule, cpu_linear, cpu_quant_linear, cpu_rowwise
+    from keepwarm.kernels import (
+        cpu_attention,
+        cpu_decode_step,
+        cpu_delta_rule,
+        cpu_linear,
+        cpu_quant_linear,
+        cpu_rowwise,
+    )
 
     if not cpu_linear.available():  # builds the extension once, here, not on the first call
         return TORCH_OPS
@@ -175,6 +190,7 @@ def cpu_ops(invariant: bool = True) -> Ops:
         delta_rule_prefill=cpu_delta_rule.gated_delta_rule,  # token-serial: chunk == decode
         delta_rule_decode=cpu_delta_rule.gated_delta_rule,
         attention=cpu_attention.attention,
+        dense_decode_step=cpu_decode_step.plan if cpu_decode_step.available() else None,
     )
     return SelfCheck(fast, plain).ops()
 

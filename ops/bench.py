@@ -62,9 +62,9 @@ def _engine_speed(
     invariant: bool,
     keep_blocks: bool = False,
     contexts: tuple[int, ...] = (256,),
-) -> tuple[float, dict[int, float], int]:
+) -> tuple[float, dict[int, float], int, float | None]:
     """(prefill seconds for `toks`, seconds per decode token after each context length in
-    `contexts`, weight bytes) with the invariant CPU kernels on or off (kernels/ops.py) and the
+    `contexts`, weight bytes, seconds of a step's products alone: `_products_s`) with the invariant CPU kernels on or off (kernels/ops.py) and the
     projections on their quantized blocks or dequantized (`keep_blocks`, a GGUF file)."""
     from keepwarm.engine.loading.checkpoint import open_checkpoint
     from keepwarm.engine.models import build_backend
@@ -103,7 +103,28 @@ def _engine_speed(
         decode[ctx] = (time.perf_counter() - t0) / decode_tokens
     from keepwarm.engine.models.backend import weight_bytes_by_type
 
-    return min(pre), decode, sum(weight_bytes_by_type(backend).values())
+    return min(pre), decode, sum(weight_bytes_by_type(backend).values()), _products_s(backend)
+
+
+def _products_s(backend: Any, rounds: int = 8) -> float | None:
+    """Seconds of a decode step's matrix products alone (each layer's projections on one row,
+    in the step's order, then the head; best of `rounds`): the weight reading a step cannot
+    avoid. None for a family without dense layers."""
+    layers = getattr(backend, "layers", None)
+    if not layers or not hasattr(layers[0], "w_qkv"):
+        return None
+    names = ("w_qkv", "w_o", "w_gate_up", "w_down")
+    weights = [w for layer in layers for w in (getattr(layer, n) for n in names) if w is not None]
+    weights.append(backend.lm_head)
+    xs = {k: torch.randn(1, k, dtype=backend.dtype) for k in {w.shape[-1] for w in weights}}
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(rounds + 1):
+            t0 = time.perf_counter()
+            for w in weights:
+                backend.ops.project(xs[w.shape[-1]], w)
+            best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def bench_engine(
@@ -122,9 +143,11 @@ def bench_engine(
     from keepwarm.kernels.ops import ops_for
 
     toks = _prompt_tokens(_vocab_size(model), prefill_tokens)
-    prefill_s, decoded, weights_bytes = _engine_speed(model, dtype, toks, decode_tokens, chunk, True)
+    prefill_s, decoded, weights_bytes, products_s = _engine_speed(
+        model, dtype, toks, decode_tokens, chunk, True
+    )
     decode_s = decoded[256]
-    off_prefill_s, off_decoded, _ = _engine_speed(model, dtype, toks, decode_tokens, chunk, False)
+    off_prefill_s, off_decoded, _, _ = _engine_speed(model, dtype, toks, decode_tokens, chunk, False)
     off_decode_s = off_decoded[256]
     gbps = mem_read_gbps()
     out: dict[str, Any] = {
@@ -144,14 +167,21 @@ def bench_engine(
         "weights_bytes": weights_bytes,
         "mem_read_gbps": gbps,
         "decode_roofline_fraction": (weights_bytes / decode_s / 1e9) / gbps,
+        # the share of a decode step (at 256 tokens) outside its matrix products run alone
+        "decode_outside_products_share": None if products_s is None else 1 - products_s / decode_s,
         "load_average": os.getloadavg(),
     }
     if gguf_in(Path(model)) is not None:
         # A GGUF file: its projections on their quantized blocks (--weights as-file) and
         # dequantized to `dtype` (--weights bf16), the same measurements side by side.
         for keep, suffix in ((True, "_as_file"), (False, "_bf16")):
-            pre_s, dec, wb = _engine_speed(model, dtype, toks, decode_tokens, chunk, True, keep, contexts)
+            pre_s, dec, wb, prod_s = _engine_speed(
+                model, dtype, toks, decode_tokens, chunk, True, keep, contexts
+            )
             out[f"prefill_tok_s{suffix}"] = prefill_tokens / pre_s
+            out[f"decode_outside_products_share{suffix}"] = (
+                None if prod_s is None else 1 - prod_s / dec[contexts[0]]
+            )
             for ctx, s in dec.items():
                 out[f"decode_tok_s_{ctx}{suffix}"] = 1 / s
             out[f"weights_bytes{suffix}"] = wb

@@ -43,9 +43,12 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <map>
+#include <string>
 #include <type_traits>
 #include <vector>
 
+#include "raw_kernels.h"
 #include "vec_math.h"
 
 namespace {
@@ -809,9 +812,41 @@ c10::optional<at::Tensor> try_decode_batch(const at::Tensor& q, const std::vecto
   return out;
 }
 
+// keepwarm::raw::DecodeAttention: try_decode_batch's kernel over raw bf16 rows.
+void raw_decode_attention(int64_t B, const uint16_t* q, const uint16_t* const* k, const uint16_t* const* v,
+                          const int64_t* S, uint16_t* out, int64_t Hq, int64_t Hkv, int64_t D, float scale) {
+  using T = c10::BFloat16;
+  std::vector<Decode<T>> seqs;
+  seqs.reserve(B);
+  for (int64_t b = 0; b < B; ++b) {
+    Shape s;
+    s.T = 1;
+    s.S = S[b];
+    s.Hq = Hq;
+    s.Hkv = Hkv;
+    s.G = Hq / Hkv;
+    s.D = D;
+    s.DV = padded_dv(D);
+    s.shift = 0;
+    s.Spad = (s.S + kTile - 1) / kTile * kTile;
+    s.window = 0;
+    s.C = s.Cpad = 0;
+    s.scale = scale;
+    s.mask = nullptr;
+    s.sinks = nullptr;
+    seqs.push_back({reinterpret_cast<const T*>(q) + b * Hq * D, reinterpret_cast<const T*>(k[b]),
+                    reinterpret_cast<const T*>(v[b]), reinterpret_cast<T*>(out) + b * Hq * D, s});
+  }
+  run_decode(seqs);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("raw_api", [] {
+    keepwarm::raw::DecodeAttention decode = &raw_decode_attention;
+    return std::map<std::string, uint64_t>{{"decode_attention", reinterpret_cast<uint64_t>(decode)}};
+  }, "the raw entry points by address (kernels/csrc/raw_kernels.h)");
   m.def("eligible", &eligible, py::arg("q"), py::arg("k"), py::arg("v"));
   m.def("try_attention", &try_attention, "causal attention, invariant per query row, or None", py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("window") = 0, py::arg("offset") = 0,

@@ -56,10 +56,14 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <new>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+#include "raw_kernels.h"
 
 #ifdef KEEPWARM_AVX2
 #include "avx512_compat.h"  // the AVX2 build: the AVX-512 names emulated, included last
@@ -990,9 +994,23 @@ c10::optional<at::Tensor> try_linear(const at::Tensor& x, const at::Tensor& weig
   return y;
 }
 
+// keepwarm::raw::Linear: try_linear's bf16 product (variant: fma_form), the decode and prefill
+// paths chosen by M as there.
+void raw_linear(const uint16_t* x, int64_t M, int64_t K, const void* w, int64_t N, const uint16_t* bias, uint16_t* y,
+                int64_t fma_form) {
+  Bias<Bf16> b;
+  b.ptr = bias;
+  run<Bf16, c10::BFloat16>(M, x, static_cast<const uint16_t*>(w), b, reinterpret_cast<c10::BFloat16*>(y), N, K, false,
+                           fma_form != 0);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("raw_api", [] {
+    keepwarm::raw::Linear linear = &raw_linear;
+    return std::map<std::string, uint64_t>{{"linear", reinterpret_cast<uint64_t>(linear)}};
+  }, "the raw entry points by address (kernels/csrc/raw_kernels.h)");
   m.attr("STREAM_ROWS") = kStreamRows;
   m.attr("STREAM_FMA_ROWS") = kStreamFmaRows;
   m.def("eligible", &eligible, "whether try_linear runs the kernel for these inputs", py::arg("x"),

@@ -1,10 +1,15 @@
-// y = x W^T + b with W kept in its quantized blocks (Q8_0, Q4_0, Q4_1), one row's bits whatever
-// the number of rows M, the row's place in the call or the thread split.
+// y = x W^T + b with W kept in its quantized blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), one
+// row's bits whatever the number of rows M, the row's place in the call or the thread split.
 //
-// Layout (kernels/quant_weight.py, the GGUF blocks regrouped at load, the same bytes): a weight
-// row of K = 32 nb weights is its nb f16 scales d, then (Q4_1) its nb f16 minima m, then its nb
-// blocks of quants (Q8_0: 32 int8; Q4_0 / Q4_1: 16 bytes of nibbles, byte i's low half weight i
-// and its high half weight i + 16): w = d q (Q8_0), d (q - 8) (Q4_0), d q + m (Q4_1).
+// Layout (kernels/quant_weight.py, the GGUF blocks regrouped at load): a weight row of K = 32 nb
+// weights is its scales, then its nb blocks of quants. Q8_0 / Q4_0 / Q4_1: nb f16 scales d, then
+// (Q4_1) nb f16 minima m; quants per block: Q8_0 32 int8, Q4_0 / Q4_1 16 bytes of nibbles (byte
+// i's low half weight i, its high half weight i + 16): w = d q (Q8_0), d (q - 8) (Q4_0), d q + m
+// (Q4_1); Q5_0 / Q5_1 as Q4_0 / Q4_1 with a fifth bit from 4 more bytes per block, w = d (q - 16)
+// (Q5_0), d q + m (Q5_1). The k-quants, per super-block of 8 blocks: Q4_K / Q5_K an f16 d and dmin and per block
+// 6-bit sc and m (a byte each), w = (d sc) q - dmin m (q: 4 bits; Q5_K: a fifth from 4 more bytes
+// per block); Q6_K an f16 d and per block two int8 scales (its halves of 16), w = (d sc) (q - 32)
+// with q of 6 bits (the nibbles and 8 bytes of 2-bit highs per block).
 //
 // The weights are never rounded; the activations are quantized per block of 32 to int16 (15
 // bits against bf16's 8: below the input's own rounding). Per row and block b, x32 = x[r, 32b ..
@@ -13,11 +18,14 @@
 // x32[8:16] + x32[16:24] + x32[24:32]) (lane-wise in that order). Per output y[r, n], over
 // groups of 8 blocks g = 0, 1, ... (the last group's missing lanes zero) and, within a group,
 // blocks b = 8g + j in order, with q the block's integer values as int16:
-//   s[j]  = d[b] * dx[b]                        (8 lanes at once)
+//   s[j]  = d[b] * dx[b]                        (8 lanes at once; k-quants: d[b] = d sc, exact)
 //   p     = the exact int32 dot of q and xq: lane l holds pairs (2l, 2l + 1) and (16 + 2l, 17 + 2l)
 //   acc   = fma(s[j], float(p), acc)            (8 lanes)
-//   sm    = fma(m'[8g..], xs[8g..], sm)         (8 lanes, once per group; Q4_1: m' = m; Q4_0:
-//                                                m' = -8 d; Q8_0: none)
+//   sm    = fma(m'[8g..], xs[8g..], sm)         (8 lanes, once per group; Q4_1, Q5_1: m' = m;
+//                                                Q4_0: m' = -8 d; Q5_0: -16 d; Q4_K / Q5_K: m' = -(dmin m), exact;
+//                                                Q8_0, Q6_K: none)
+// Q6_K has a scale per 16 weights: p0 = the dot of weights 0-15 (lane l: pair 2l, 2l + 1), p1 of
+// 16-31, and acc = fma(s1[j], float(p1), fma(s0[j], float(p0), acc)).
 // then y = hsum8(acc) + hsum8(sm) (hsum8: (l, l + 4) pairs, then (0, 2), (1, 3), then the last
 // two), plus the bias in fp32, rounded once to x's dtype (bf16: to nearest even). d, m are the
 // stored f16 values widened exactly.
@@ -38,12 +46,24 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <map>
+#include <string>
 #include <vector>
+
+#include "raw_kernels.h"
 
 namespace {
 
-enum Kind { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2 };
-constexpr int64_t kBlockBytes[3] = {34, 18, 20};
+enum Kind { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 3, kQ5_K = 4, kQ6_K = 5, kQ5_0 = 6, kQ5_1 = 7 };
+constexpr int kKinds = 8;
+constexpr bool is_k(int kind) { return kind == kQ4_K || kind == kQ5_K || kind == kQ6_K; }
+// whether a block's quants carry fifth bits (4 bytes after its nibbles)
+constexpr bool has_fifth(int kind) { return kind == kQ5_K || kind == kQ5_0 || kind == kQ5_1; }
+// bytes of a row of K weights in the kernel's layout (kernels/quant_weight.py row_bytes)
+constexpr int64_t kLayoutBytes[kKinds] = {34, 18, 20, 148, 180, 210, 22, 24};  // per 32, or 256 (k-quants)
+inline int64_t row_bytes_of(int kind, int64_t K) { return K / (is_k(kind) ? 256 : 32) * kLayoutBytes[kind]; }
+// whether the kind has a minimum (m) term, which needs each block's activation sum
+constexpr bool has_sums(int kind) { return kind != kQ8_0 && kind != kQ6_K; }
 constexpr int kTile = 4;       // rows computed together (each with its own sequence)
 constexpr int64_t kCols = 16;  // columns per inner chunk (their blocks stay in L1)
 
@@ -110,8 +130,18 @@ Prepared prepare(const T* x, int64_t M, int64_t K, bool sums) {
   return p;
 }
 
-constexpr int64_t kHeader[3] = {2, 2, 4};   // bytes of f16 per block before the quants
-constexpr int64_t kQuants[3] = {32, 16, 16};  // bytes of quants per block
+constexpr int64_t kQuants[kKinds] = {32, 16, 16, 16, 20, 24, 20, 20};  // bytes of quants per block of 32
+// bytes before the quants in a row of nb blocks: the scales (and minima)
+inline int64_t header_bytes(int kind, int64_t nb) {
+  switch (kind) {
+    case kQ4_1:
+    case kQ5_1: return 4 * nb;
+    case kQ4_K:
+    case kQ5_K: return 4 * (nb / 8) + 2 * nb;  // d, dmin per super-block; sc, m per block
+    case kQ6_K: return 2 * (nb / 8) + 2 * nb;  // d per super-block; two int8 scales per block
+    default: return 2 * nb;
+  }
+}
 
 // The block's integer values as two vectors of 16 int16 (weights 0-15, 16-31).
 template <int K>
@@ -122,9 +152,41 @@ inline void unpack16(const uint8_t* qs, __m256i w[2]) {
   } else {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
     const __m128i mask = _mm_set1_epi8(0x0F);
-    w[0] = _mm256_cvtepu8_epi16(_mm_and_si128(raw, mask));
-    w[1] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), mask));
+    __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+    if constexpr (has_fifth(K)) {  // fifth bits: byte i bit k is weight i + 4 k
+      uint32_t h;
+      std::memcpy(&h, qs + 16, 4);
+      const __m128i one = _mm_set1_epi8(1);
+      lo = _mm_or_si128(lo, _mm_slli_epi16(_mm_and_si128(_mm_setr_epi32(h, h >> 1, h >> 2, h >> 3), one), 4));
+      hi = _mm_or_si128(hi, _mm_slli_epi16(_mm_and_si128(_mm_setr_epi32(h >> 4, h >> 5, h >> 6, h >> 7), one), 4));
+    }
+    if constexpr (K == kQ6_K) {  // 2-bit highs: byte i bits 2k, 2k + 1 are weight i + 8 k
+      uint64_t h;
+      std::memcpy(&h, qs + 16, 8);
+      const __m128i three = _mm_set1_epi8(3);
+      const auto h64 = [](uint64_t v) { return static_cast<long long>(v); };
+      lo = _mm_or_si128(lo, _mm_slli_epi16(_mm_and_si128(_mm_set_epi64x(h64(h >> 2), h64(h)), three), 4));
+      hi = _mm_or_si128(hi, _mm_slli_epi16(_mm_and_si128(_mm_set_epi64x(h64(h >> 6), h64(h >> 4)), three), 4));
+    }
+    w[0] = _mm256_cvtepu8_epi16(lo);
+    w[1] = _mm256_cvtepu8_epi16(hi);
+    if constexpr (K == kQ6_K) {
+      const __m256i off = _mm256_set1_epi16(32);
+      w[0] = _mm256_sub_epi16(w[0], off);
+      w[1] = _mm256_sub_epi16(w[1], off);
+    }
   }
+}
+
+// 8 unsigned (or, signed_, int8) bytes as fp32 lanes.
+inline __m256 bytes8(const uint8_t* p, bool signed_) {
+  const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(signed_ ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v));
+}
+inline float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
 }
 
 // 8 f16 values from p (lanes >= n zeroed; reading 16 bytes stays inside the row: the quants follow).
@@ -138,23 +200,37 @@ template <int K, int R, int C>
 inline void tile(const uint8_t* w0, int64_t row_bytes, int64_t nb, const Prepared& p, int64_t row, int64_t Kdim,
                  float out[R][C]) {
   const __m256 lanes = _mm256_castsi256_ps(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  const uint8_t* quants = w0 + kHeader[K] * nb;
+  const uint8_t* quants = w0 + header_bytes(K, nb);
+  const int64_t nsb = nb / 8;  // k-quants: super-blocks (one per group of 8 blocks)
   __m256 acc[R][C], sm[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = sm[r][c] = _mm256_setzero_ps();
   alignas(32) float scale[R][C][8];
+  alignas(32) float scale2[K == kQ6_K ? R : 1][C][8];  // Q6_K: the blocks' second halves
   for (int64_t g = 0; g < nb; g += 8) {
     const int n = static_cast<int>(std::min<int64_t>(8, nb - g));
     for (int c = 0; c < C; ++c) {
       const uint8_t* wr = w0 + c * row_bytes;
-      const __m256 d = f16x8(wr + 2 * g, n, lanes);
-      __m256 m = _mm256_setzero_ps();
-      if constexpr (K == kQ4_1) m = f16x8(wr + 2 * nb + 2 * g, n, lanes);
-      if constexpr (K == kQ4_0) m = _mm256_mul_ps(_mm256_set1_ps(-8.0f), d);
+      __m256 d, d2 = _mm256_setzero_ps(), m = _mm256_setzero_ps();
+      if constexpr (K == kQ4_K || K == kQ5_K) {  // d sc and -dmin m, exact in fp32
+        d = _mm256_mul_ps(_mm256_set1_ps(f16(wr + 2 * (g / 8))), bytes8(wr + 4 * nsb + g, false));
+        m = _mm256_mul_ps(_mm256_set1_ps(-f16(wr + 2 * nsb + 2 * (g / 8))), bytes8(wr + 4 * nsb + nb + g, false));
+      } else if constexpr (K == kQ6_K) {  // d sc of each block's halves, exact in fp32
+        const __m256 dsb = _mm256_set1_ps(f16(wr + 2 * (g / 8)));
+        d = _mm256_mul_ps(dsb, bytes8(wr + 2 * nsb + 2 * g, true));
+        d2 = _mm256_mul_ps(dsb, bytes8(wr + 2 * nsb + 2 * g + 8, true));
+      } else {
+        d = f16x8(wr + 2 * g, n, lanes);
+        if constexpr (K == kQ4_1 || K == kQ5_1) m = f16x8(wr + 2 * nb + 2 * g, n, lanes);
+        if constexpr (K == kQ4_0) m = _mm256_mul_ps(_mm256_set1_ps(-8.0f), d);
+        if constexpr (K == kQ5_0) m = _mm256_mul_ps(_mm256_set1_ps(-16.0f), d);
+      }
       for (int r = 0; r < R; ++r) {
         const int64_t i = (row + r) * p.nb8 + g;
-        _mm256_store_ps(scale[r][c], _mm256_mul_ps(d, _mm256_loadu_ps(p.dx.data() + i)));
-        if constexpr (K != kQ8_0) sm[r][c] = _mm256_fmadd_ps(m, _mm256_loadu_ps(p.xs.data() + i), sm[r][c]);
+        const __m256 dx = _mm256_loadu_ps(p.dx.data() + i);
+        _mm256_store_ps(scale[r][c], _mm256_mul_ps(d, dx));
+        if constexpr (K == kQ6_K) _mm256_store_ps(scale2[r][c], _mm256_mul_ps(d2, dx));
+        if constexpr (has_sums(K)) sm[r][c] = _mm256_fmadd_ps(m, _mm256_loadu_ps(p.xs.data() + i), sm[r][c]);
       }
     }
     for (int j = 0; j < n; ++j) {
@@ -169,8 +245,14 @@ inline void tile(const uint8_t* w0, int64_t row_bytes, int64_t nb, const Prepare
         __m256i w[2];
         unpack16<K>(quants + c * row_bytes + b * kQuants[K], w);
         for (int r = 0; r < R; ++r) {
-          const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(w[0], xq[r][0]), _mm256_madd_epi16(w[1], xq[r][1]));
-          acc[r][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(&scale[r][c][j]), _mm256_cvtepi32_ps(s), acc[r][c]);
+          if constexpr (K == kQ6_K) {  // a scale per 16 weights: the halves' dots one after the other
+            const __m256i s0 = _mm256_madd_epi16(w[0], xq[r][0]), s1 = _mm256_madd_epi16(w[1], xq[r][1]);
+            acc[r][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(&scale[r][c][j]), _mm256_cvtepi32_ps(s0), acc[r][c]);
+            acc[r][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(&scale2[r][c][j]), _mm256_cvtepi32_ps(s1), acc[r][c]);
+          } else {
+            const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(w[0], xq[r][0]), _mm256_madd_epi16(w[1], xq[r][1]));
+            acc[r][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(&scale[r][c][j]), _mm256_cvtepi32_ps(s), acc[r][c]);
+          }
         }
       }
     }
@@ -188,7 +270,7 @@ inline void prefetch(const uint8_t* from, const uint8_t* to, const uint8_t* end)
 
 template <int K, typename T>
 void run(const Prepared& p, const uint8_t* w, const T* bias, T* y, int64_t M, int64_t N, int64_t Kdim) {
-  const int64_t nb = Kdim / 32, row_bytes = nb * kBlockBytes[K];
+  const int64_t nb = Kdim / 32, row_bytes = row_bytes_of(K, Kdim);
   auto emit = [&](int64_t row, int64_t n, float v) {
     if (bias != nullptr) v += static_cast<float>(bias[n]);
     y[row * N + n] = static_cast<T>(v);
@@ -226,7 +308,12 @@ void dispatch(int kind, const Prepared& p, const uint8_t* w, const T* bias, T* y
   switch (kind) {
     case kQ8_0: run<kQ8_0>(p, w, bias, y, M, N, K); break;
     case kQ4_0: run<kQ4_0>(p, w, bias, y, M, N, K); break;
-    default: run<kQ4_1>(p, w, bias, y, M, N, K); break;
+    case kQ4_1: run<kQ4_1>(p, w, bias, y, M, N, K); break;
+    case kQ4_K: run<kQ4_K>(p, w, bias, y, M, N, K); break;
+    case kQ5_K: run<kQ5_K>(p, w, bias, y, M, N, K); break;
+    case kQ5_0: run<kQ5_0>(p, w, bias, y, M, N, K); break;
+    case kQ5_1: run<kQ5_1>(p, w, bias, y, M, N, K); break;
+    default: run<kQ6_K>(p, w, bias, y, M, N, K); break;
   }
 }
 
@@ -235,16 +322,17 @@ void dispatch(int kind, const Prepared& p, const uint8_t* w, const T* bias, T* y
 // the types; broken shapes raise.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t kind, int64_t K,
                         const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(kind >= 0 && kind <= 2, "kind must be 0 (Q8_0), 1 (Q4_0) or 2 (Q4_1)");
-  TORCH_CHECK(K % 32 == 0 && x.size(-1) == K, "x's last dim must be K, a multiple of 32");
+  TORCH_CHECK(kind >= 0 && kind < kKinds, "kind must be 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q4_K, 4 Q5_K, 5 Q6_K, 6 Q5_0 or 7 Q5_1");
+  TORCH_CHECK(K % (is_k(static_cast<int>(kind)) ? 256 : 32) == 0 && x.size(-1) == K,
+              "x's last dim must be K, a multiple of 32 (k-quants: of 256)");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(), "w must be [N, bytes] uint8");
-  TORCH_CHECK(w.size(1) == K / 32 * kBlockBytes[kind], "w's rows must hold K / 32 blocks of the kind");
+  TORCH_CHECK(w.size(1) == row_bytes_of(static_cast<int>(kind), K), "w's rows must hold K weights of the kind");
   TORCH_CHECK(x.is_contiguous() && x.device().is_cpu() && w.device().is_cpu(), "x must be contiguous, on the CPU");
   const int64_t N = w.size(0), M = x.numel() / K;
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
   at::Tensor y = at::empty(shape, x.options());
-  const bool sums = kind != kQ8_0;
+  const bool sums = has_sums(static_cast<int>(kind));
   const uint8_t* wp = w.data_ptr<uint8_t>();
   if (x.scalar_type() == at::kBFloat16) {
     const auto* xp = reinterpret_cast<const c10::BFloat16*>(x.data_ptr());
@@ -272,9 +360,22 @@ c10::optional<at::Tensor> try_quant_linear(const at::Tensor& x, const at::Tensor
   return quant_linear(x.is_contiguous() ? x : x.contiguous(), w, kind, K, b);
 }
 
+// keepwarm::raw::Linear: the bf16 product of quant_linear (variant: the kind).
+void raw_quant_linear(const uint16_t* x, int64_t M, int64_t K, const void* w, int64_t N, const uint16_t* bias,
+                      uint16_t* y, int64_t kind) {
+  using B = c10::BFloat16;
+  const auto* xp = reinterpret_cast<const B*>(x);
+  dispatch<B>(static_cast<int>(kind), prepare(xp, M, K, has_sums(static_cast<int>(kind))), static_cast<const uint8_t*>(w),
+              reinterpret_cast<const B*>(bias), reinterpret_cast<B*>(y), M, N, K);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("raw_api", [] {
+    keepwarm::raw::Linear linear = &raw_quant_linear;
+    return std::map<std::string, uint64_t>{{"linear", reinterpret_cast<uint64_t>(linear)}};
+  }, "the raw entry points by address (kernels/csrc/raw_kernels.h)");
   m.def("quant_linear", &quant_linear, "y = x W^T + b, W in GGUF blocks (row-invariant)", pybind11::arg("x"),
         pybind11::arg("w"), pybind11::arg("kind"), pybind11::arg("K"), pybind11::arg("bias") = pybind11::none());
   m.def("try_quant_linear", &try_quant_linear, "quant_linear where it applies, else None", pybind11::arg("x"),

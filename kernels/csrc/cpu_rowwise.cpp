@@ -28,8 +28,11 @@
 
 #include <cmath>
 #include <cstdint>
+#include <map>
+#include <string>
 #include <vector>
 
+#include "raw_kernels.h"
 #include "vec_math.h"
 
 namespace {
@@ -369,7 +372,31 @@ c10::optional<at::Tensor> try_rotary(const at::Tensor& x, const at::Tensor& cos,
   return y;
 }
 
+// keepwarm::raw's row-wise entries: the bf16 instances of the kernels above.
+static void raw_rms_norm(const uint16_t* x, int64_t x_stride, const uint16_t* w, uint16_t* y, int64_t rows, int64_t D,
+                  float eps) {
+  rms_norm_rows<uint16_t>(x, x_stride, w, y, rows, D, eps);
+}
+static void raw_silu_mul(const uint16_t* g, int64_t gs, const uint16_t* u, int64_t us, uint16_t* y, int64_t rows,
+                  int64_t I) {
+  silu_mul_rows<uint16_t>(g, gs, u, us, y, rows, I);
+}
+static void raw_rotary(const uint16_t* x, int64_t st, int64_t sh, const uint16_t* cos, const uint16_t* sin, uint16_t* y,
+                int64_t n_t, int64_t n_h, int64_t dr) {
+  using B = c10::BFloat16;
+  rotary_rows<B>(reinterpret_cast<const B*>(x), st, sh, reinterpret_cast<const B*>(cos),
+                 reinterpret_cast<const B*>(sin), reinterpret_cast<B*>(y), n_t, n_h, dr);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("raw_api", [] {
+    keepwarm::raw::RmsNorm rms_norm = &raw_rms_norm;
+    keepwarm::raw::SiluMul silu_mul = &raw_silu_mul;
+    keepwarm::raw::Rotary rotary = &raw_rotary;
+    return std::map<std::string, uint64_t>{{"rms_norm", reinterpret_cast<uint64_t>(rms_norm)},
+                                           {"silu_mul", reinterpret_cast<uint64_t>(silu_mul)},
+                                           {"rotary", reinterpret_cast<uint64_t>(rotary)}};
+  }, "the raw entry points by address (kernels/csrc/raw_kernels.h)");
   m.def("try_rms_norm", &try_rms_norm, "row-invariant RMSNorm, or None", py::arg("x"), py::arg("weight"),
         py::arg("eps"));
   m.def("try_rotary", &try_rotary, "rotary embedding (rotate-half), the reference's bits, or None", py::arg("x"),

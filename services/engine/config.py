@@ -140,7 +140,7 @@ class EngineConfig:
     dtype: str = setting("bfloat16", help="`bfloat16` or `float32` (also `float16`)")
     weights: str = setting(
         "auto",
-        help="how a GGUF file's quantized projections run: `as-file` (kept in their Q8_0 / Q4_0 / Q4_1 "
+        help="how a GGUF file's quantized projections run: `as-file` (kept in their Q8_0 / Q4 / Q4_K / Q5_K / Q6_K "
         "blocks and multiplied there: a third to a half of the memory; CPU, llama-style models), `bf16` "
         "(dequantized to --dtype at load), or `auto` (`as-file` where it applies, else dequantized)",
     )

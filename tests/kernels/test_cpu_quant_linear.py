@@ -1,5 +1,5 @@
 """The block product (kernels/cpu_quant_linear.py): within fp32 rounding of the dense product with
-the blocks' exact values, for Q8_0, Q4_0 and Q4_1, bf16 and fp32 activations, with and without
+the blocks' exact values, for every kind (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), bf16 and fp32 activations, with and without
 a bias; and a row's bits do not depend on how many rows the call has or where the row sits (the
 4-row tiles and the single rows compute each row with one instruction sequence)."""
 
@@ -10,25 +10,13 @@ import torch
 
 from keepwarm.kernels import cpu_quant_linear, reference
 from keepwarm.kernels.invariance import probe_quant_linear
-from keepwarm.kernels.quant_weight import BLOCK_BYTES, KINDS, QuantKind, QuantWeight
+from keepwarm.kernels.quant_weight import K_KINDS, KINDS, QuantKind, QuantWeight
+from tests.kernels.quant_blocks import random_weight as random_blocks
 
 pytestmark = pytest.mark.skipif(
     not cpu_quant_linear.available(),
     reason="the block kernel needs an x86 CPU with AVX2, FMA and F16C (or its build failed)",
 )
-
-
-def random_blocks(kind: QuantKind, n: int, k: int, seed: int = 0) -> QuantWeight:
-    """Random integer values with realistic scales: d in [1e-3, 1.1e-2], m in [-0.05, 0]."""
-    g = torch.Generator().manual_seed(seed)
-    nb = k // 32
-    b = torch.randint(0, 256, (n, nb, BLOCK_BYTES[kind]), dtype=torch.uint8, generator=g)
-    d = (torch.rand(n, nb, 1, generator=g) * 0.01 + 0.001).half()
-    b[:, :, 0:2] = d.view(torch.uint8).reshape(n, nb, 2)
-    if kind == "Q4_1":
-        m = (-torch.rand(n, nb, 1, generator=g) * 0.05).half()
-        b[:, :, 2:4] = m.view(torch.uint8).reshape(n, nb, 2)
-    return QuantWeight.from_gguf(kind, b.reshape(n, -1).contiguous(), k)
 
 
 def activation_error_bound(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
@@ -46,9 +34,10 @@ def activation_error_bound(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_close_to_the_dense_product(kind: QuantKind, dtype: torch.dtype, with_bias: bool) -> None:
-    w = random_blocks(kind, 70, 576)
+    k = 768 if kind in K_KINDS else 576  # whole super-blocks
+    w = random_blocks(kind, 70, k)
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(3, 11, 576, generator=g).to(dtype)
+    x = torch.randn(3, 11, k, generator=g).to(dtype)
     x[0, 0, 32:64] = 0  # an all-zero block
     bias = torch.randn(70, generator=g).to(dtype) if with_bias else None
     assert cpu_quant_linear.uses_kernel(x, w, bias)
@@ -81,13 +70,15 @@ def test_a_rows_bits_do_not_depend_on_the_call(kind: QuantKind, dtype: torch.dty
     assert probe_quant_linear(cpu_quant_linear.linear, w, bias, dtype) is None
 
 
-def test_rows_and_columns_of_a_fused_projection_are_the_parts() -> None:
+@pytest.mark.parametrize("kind", ["Q4_1", "Q6_K"])
+def test_rows_and_columns_of_a_fused_projection_are_the_parts(kind: QuantKind) -> None:
     from keepwarm.kernels.quant_weight import cat_rows
 
-    a, b = random_blocks("Q4_1", 24, 64, seed=4), random_blocks("Q4_1", 40, 64, seed=5)
-    fused = cat_rows([a, b])
-    assert isinstance(fused, QuantWeight) and fused.shape == (64, 64)
-    x = torch.randn(5, 64).bfloat16()
+    k = 256
+    a, b = random_blocks(kind, 24, k, seed=4), random_blocks(kind, 40, k, seed=5)
+    fused = cat_rows([a, b], torch.bfloat16)
+    assert isinstance(fused, QuantWeight) and fused.shape == (64, k)
+    x = torch.randn(5, k).bfloat16()
     y = cpu_quant_linear.linear(x, fused)
     assert torch.equal(y[:, :24], cpu_quant_linear.linear(x, a))
     assert torch.equal(y[:, 24:], cpu_quant_linear.linear(x, b))

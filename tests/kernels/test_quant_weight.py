@@ -11,34 +11,48 @@ from gguf.quants import dequantize
 
 from keepwarm.kernels.quant_weight import (
     BLOCK_BYTES,
+    K_KINDS,
     KINDS,
     QuantKind,
     QuantWeight,
+    block_weights,
     cat_rows,
     embedding,
     regroup,
+    row_bytes,
     ungroup,
 )
+from tests.kernels.quant_blocks import gguf_blocks
 
 
 def _blocks(kind: QuantKind, n: int, k: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(7)
-    b = torch.randint(0, 256, (n, k // 32, BLOCK_BYTES[kind]), dtype=torch.uint8, generator=g)
-    scales = (torch.rand(n, k // 32, 2 if kind == "Q4_1" else 1, generator=g) - 0.5).half()
-    b[:, :, 0 : 2 * scales.shape[-1]] = scales.view(torch.uint8).reshape(n, k // 32, -1)
-    return b.reshape(n, -1).contiguous()
+    return gguf_blocks(kind, n, k, seed=7)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_dequantize_is_the_gguf_reference(kind: QuantKind) -> None:
-    b = _blocks(kind, 9, 96)
-    w = QuantWeight.from_gguf(kind, b, 96)
+    k = 3 * block_weights(kind)
+    b = _blocks(kind, 9, k)
+    w = QuantWeight.from_gguf(kind, b, k)
     ref = dequantize(b.numpy(), GGMLQuantizationType[kind])
     assert w.dequantize().numpy().tobytes() == np.ascontiguousarray(ref, dtype=np.float32).tobytes()
-    assert w.shape == (9, 96) and w.nbytes == 9 * 3 * BLOCK_BYTES[kind]
+    ids = torch.tensor([8, 0, 3])
+    assert torch.equal(w.rows(ids, torch.float32), torch.from_numpy(ref.reshape(9, k))[ids])
+    assert w.shape == (9, k) and w.nbytes == 9 * row_bytes(kind, k)
+    # in memory within 3 % of the file
+    assert 1.0 <= w.nbytes / (9 * 3 * BLOCK_BYTES[kind]) <= 1.03
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [*K_KINDS, "Q5_0", "Q5_1"])
+def test_repacked_rows_stay_whole(kind: QuantKind) -> None:
+    b = _blocks(kind, 5, 512)
+    rows = regroup(kind, b)
+    assert rows.shape == (5, row_bytes(kind, 512))
+    assert torch.equal(regroup(kind, b[2:4]), rows[2:4])
+    assert torch.equal(regroup(kind, b[[4, 0]]), rows[[4, 0]])
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
 def test_the_kernel_layout_regroups_each_row_and_back(kind: QuantKind) -> None:
     b = _blocks(kind, 5, 96)  # 3 blocks a row
     rows = regroup(kind, b)
@@ -61,12 +75,22 @@ def test_rows_are_an_embedding_lookup() -> None:
 
 def test_mixed_kinds_fuse_dense() -> None:
     a = QuantWeight.from_gguf("Q8_0", _blocks("Q8_0", 4, 64), 64)
-    b = QuantWeight.from_gguf("Q4_0", _blocks("Q4_0", 6, 64), 64)
-    fused = cat_rows([a, b])
-    assert isinstance(fused, torch.Tensor) and fused.dtype == torch.float32
-    assert torch.equal(fused, torch.cat([a.dequantize(), b.dequantize()]))
-    mixed = cat_rows([a, torch.zeros(2, 64, dtype=torch.bfloat16)])
+    b = QuantWeight.from_gguf("Q4_1", _blocks("Q4_1", 6, 64), 64)
+    fused = cat_rows([a, b], torch.bfloat16)  # the model's dtype (a Q5_K_M file's Q5_1 q / k, Q8_0 v)
+    assert isinstance(fused, torch.Tensor) and fused.dtype == torch.bfloat16
+    assert torch.equal(fused, torch.cat([a.dequantize(torch.bfloat16), b.dequantize(torch.bfloat16)]))
+    mixed = cat_rows([a, torch.zeros(2, 64, dtype=torch.bfloat16)], torch.bfloat16)
     assert isinstance(mixed, torch.Tensor) and mixed.dtype == torch.bfloat16 and mixed.shape == (6, 64)
+
+
+def test_q4_0_and_q5_0_fuse_with_q8_0_as_q8_0_of_the_same_values() -> None:
+    """A Q4_K_M file's fallback Q5_0 q / k beside a Q8_0 v: one Q8_0 matrix, every value kept."""
+    parts = [
+        QuantWeight.from_gguf(k, _blocks(k, 3 + i, 64), 64) for i, k in enumerate(("Q5_0", "Q4_0", "Q8_0"))
+    ]
+    fused = cat_rows(parts, torch.bfloat16)
+    assert isinstance(fused, QuantWeight) and fused.kind == "Q8_0" and fused.shape == (12, 64)
+    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
 
 
 def test_a_malformed_block_matrix_is_a_broken_invariant() -> None:

@@ -35,7 +35,7 @@ class Checkpoint:
     config: dict[str, Any]
     name_to_file: dict[str, Path]  # tensor name -> the safetensors file holding it
     # projections stay in their quantized blocks where the file has blocks the kernels multiply
-    # (`load_linear`; a GGUF file's Q8_0 / Q4_0 / Q4_1): --weights as-file
+    # (`load_linear`; a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K): --weights as-file
     keep_blocks: bool = field(default=False, compare=False)
     # "q8_0": a Hugging Face folder's projections quantized to Q8_0 blocks at load (--quantize)
     quantize: str = field(default="", compare=False)

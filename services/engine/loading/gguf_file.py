@@ -163,7 +163,7 @@ class GgufFile:
 
     def dequantize(self, name: str) -> torch.Tensor:
         """Tensor `name` as float32 (F16 / BF16 widened exactly; blocks by gguf's formulas:
-        Q8_0 / Q4_0 / Q4_1 in torch by gguf_blocks, bitwise the same, the others by the gguf
+        Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K in torch by gguf_blocks, bitwise the same, the others by the gguf
         package), in its PyTorch shape, in freshly allocated memory."""
         from gguf.constants import GGMLQuantizationType
         from gguf.quants import dequantize

@@ -24,6 +24,7 @@ from keepwarm.engine.models.backend import State
 from keepwarm.engine.models.moe import Moe, load_experts, moe
 from keepwarm.engine.models.placement import Placement
 from keepwarm.engine.models.rope import Rope, build_rope
+from keepwarm.kernels.cpu_decode_step import DecodeStep, DenseShape
 from keepwarm.kernels.ops import Ops
 from keepwarm.kernels.quant_weight import Weight, cat_rows, embedding
 
@@ -220,6 +221,27 @@ class DenseBackend:
                 specs.append(TensorSpec(f"layers.{i}.{part}", dtype, kv_shape, length_dim=0, rows=_identity))
         specs.append(TensorSpec(LOGITS, torch.float32, (cfg.vocab_size,)))
         self.geometry = Geometry(tuple(specs))
+        self._step = self._decode_step()
+
+    def _decode_step(self) -> DecodeStep | None:
+        """The decode step through every layer in one native call where the ops have one and
+        it applies (bf16 on one CPU, no mixture of experts; kernels/cpu_decode_step.py), else None."""
+        c, make = self.cfg, self.ops.dense_decode_step
+        devices = {self.placement.device_of(i) for i in range(c.num_layers)}
+        if make is None or self.dtype != torch.bfloat16 or devices != {torch.device("cpu")}:
+            return None
+        if any(layer.moe is not None for layer in self.layers):
+            return None
+        shape = DenseShape(
+            c.hidden_size,
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            c.intermediate_size,
+            c.rms_norm_eps,
+            self.scale,
+        )
+        return make(shape, self.layers, self.rope.rotary_dim)
 
     # -- state ---------------------------------------------------------------
     def new_state(self, capacity: int) -> State:
@@ -309,7 +331,11 @@ class DenseBackend:
         else:
             positions = torch.cat([torch.arange(p, p + n) for p, n in zip(starts, lens, strict=True)])
             cos, sin = self.rope.cos_sin_at(positions, self.dtype)
-        for i, layer in enumerate(self.layers):
+        fused = None
+        if self._step is not None and not all_logits and t == len(states):  # a decode step
+            caches = [a for s in states for a in self.state_addresses(s)]
+            fused = self._step.run(x, cos, sin, caches, starts)
+        for i, layer in enumerate(self.layers if fused is None else ()):
             dev = self.placement.device_of(i)
             if x.device != dev:  # a stage boundary: the hidden state and positions move on
                 x, cos, sin = x.to(dev), cos.to(dev), sin.to(dev)
@@ -323,6 +349,8 @@ class DenseBackend:
                 keys.append(k_cache)
                 values.append(v_cache)
             x = self._mlp(layer, x, self._attention(q, keys, values, lens, offs))
+        if fused is not None:
+            x = fused
         if all_logits:
             assert len(states) == 1, "all_logits is for one sequence"
         else:
@@ -465,7 +493,7 @@ def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype,
             wl(a + "k_proj.weight", (kv_size, hid)),
             wl(a + "v_proj.weight", (kv_size, hid)),
         )
-        w_qkv = cat_rows([wq, wk, wv])
+        w_qkv = cat_rows([wq, wk, wv], dtype)
         del wq, wk, wv
         inter = cfg.intermediate_size
         sparse = cfg.is_sparse(i)
@@ -484,7 +512,7 @@ def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype,
             del gate_up, down
         else:
             wg, wu = wl(m + "gate_proj.weight", (inter, hid)), wl(m + "up_proj.weight", (inter, hid))
-            w_gate_up = cat_rows([wg, wu])
+            w_gate_up = cat_rows([wg, wu], dtype)
             del wg, wu
             w_down = wl(m + "down_proj.weight", (hid, inter))
         layers.append(

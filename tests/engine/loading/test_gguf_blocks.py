@@ -1,5 +1,5 @@
 """The torch block dequantizers against their reference, the `gguf` package's numpy formulas:
-bitwise equal on random blocks (every nibble and int8 value, scales over float16's range,
+bitwise equal on random blocks of every kind the kernels take (every nibble and int8 value, scales over float16's range,
 subnormal, zero and negative scales) and on every tensor of the real SmolLM2 Q4_1 file."""
 
 from __future__ import annotations
@@ -13,20 +13,24 @@ from gguf.quants import dequantize
 from keepwarm.engine.loading import packaged_model
 from keepwarm.engine.loading.gguf_blocks import dequantize_blocks
 from keepwarm.engine.loading.gguf_file import GgufFile
+from tests.kernels.quant_blocks import F16_FIELDS
 
-SIZES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+SIZES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 
 
 def _random_blocks(type_name: str, n: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, size=(n, SIZES[type_name]), dtype=np.uint8)
     # finite float16 scales (and offsets), of both signs, from subnormal to the largest
-    n_scales = 2 if type_name == "Q4_1" else 1
-    scales = rng.choice(
-        np.array([0.0, -0.0, 6e-8, -6e-8, 1e-5, 0.03, -0.7, 1.0, 300.0, -65504.0]), size=(n, n_scales)
-    )
-    scales[: n // 2] = rng.normal(0, 0.05, size=(n // 2, n_scales))
-    blocks[:, : 2 * n_scales] = scales.astype(np.float16).view(np.uint8)
+    d_at, m_at = F16_FIELDS[type_name]
+    for at in (d_at, m_at):
+        if at is None:
+            continue
+        scales = rng.choice(
+            np.array([0.0, -0.0, 6e-8, -6e-8, 1e-5, 0.03, -0.7, 1.0, 300.0, -65504.0]), size=n
+        )
+        scales[: n // 2] = rng.normal(0, 0.05, size=n // 2)
+        blocks[:, at : at + 2] = scales.astype(np.float16).view(np.uint8).reshape(n, 2)
     return blocks
 
 
@@ -34,7 +38,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int32)
 
 
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("type_name", sorted(SIZES))
 def test_random_blocks_bitwise_as_the_reference(type_name: str) -> None:
     blocks = _random_blocks(type_name, 4096, seed=len(type_name) * 7 + ord(type_name[1]))
     ref = torch.from_numpy(dequantize(blocks, GGMLQuantizationType[type_name]).reshape(-1))
@@ -47,7 +51,7 @@ def test_f16_widened_exactly_and_other_types_left_to_the_reference() -> None:
     values = np.array([0.0, -0.0, 6e-8, 1.5, -65504.0, np.inf], dtype=np.float16)
     got = dequantize_blocks("F16", values.view(np.uint8))
     assert got is not None and torch.equal(got, torch.from_numpy(values.astype(np.float32)))
-    assert dequantize_blocks("Q6_K", np.zeros(210, dtype=np.uint8)) is None
+    assert dequantize_blocks("Q2_K", np.zeros(84, dtype=np.uint8)) is None
 
 
 def test_every_tensor_of_the_real_file_as_the_reference() -> None:
