@@ -5,7 +5,8 @@ AVX-512 BF16 where the CPU has it, else the AVX2 build with the AVX-512 intrinsi
 `python -m keepwarm.kernels.build` and loaded from the install's kernel folder
 (kernels/prebuilt.py), compiled at first use only without that build; any failure logged
 once and answered with None so the caller stays on torch). KEEPWARM_CPU_KERNELS=0 keeps them
-off."""
+off. Every tensor entry point releases the GIL while it computes (as torch's own ops do), so the
+HTTP thread answers and streams while the generation thread is inside a kernel."""
 
 from __future__ import annotations
 

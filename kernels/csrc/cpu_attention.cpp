@@ -851,7 +851,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("try_attention", &try_attention, "causal attention, invariant per query row, or None", py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("window") = 0, py::arg("offset") = 0,
         py::arg("extra_k") = py::none(), py::arg("extra_v") = py::none(), py::arg("extra_mask") = py::none(),
-        py::arg("sinks") = py::none());
+        py::arg("sinks") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
   m.def("try_decode_batch", &try_decode_batch, "the decode attention of several sequences, or None",
-        py::arg("q"), py::arg("ks"), py::arg("vs"), py::arg("scale"));
+        py::arg("q"), py::arg("ks"), py::arg("vs"), py::arg("scale"),
+        py::call_guard<py::gil_scoped_release>());
 }

@@ -163,5 +163,6 @@ c10::optional<std::tuple<at::Tensor, at::Tensor>> try_gated_delta_rule(const at:
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("try_gated_delta_rule", &try_gated_delta_rule,
         "token-serial gated delta rule, invariant per value head, or None", py::arg("q"), py::arg("k"), py::arg("v"),
-        py::arg("g"), py::arg("beta"), py::arg("state"));
+        py::arg("g"), py::arg("beta"), py::arg("state"),
+        py::call_guard<py::gil_scoped_release>());
 }

@@ -1017,7 +1017,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weight"), py::arg("bias"));
   m.def("try_linear", &try_linear, "x [..., K] @ weight[N, K]^T (+ bias) for bf16/fp32, or None", py::arg("x"),
         py::arg("weight"), py::arg("bias"), py::arg("out_fp32"), py::arg("force_tiled") = false,
-        py::arg("fma_form") = false);
+        py::arg("fma_form") = false,
+        py::call_guard<py::gil_scoped_release>());
   m.def("fma_form_mismatches", &fma_form_mismatches,
         "lanes (of vectors x 16) where the FMA form of a bf16 block differs from vdpbf16ps (NaN as NaN)",
         py::arg("vectors"), py::arg("seed"));

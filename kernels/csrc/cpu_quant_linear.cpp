@@ -377,7 +377,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return std::map<std::string, uint64_t>{{"linear", reinterpret_cast<uint64_t>(linear)}};
   }, "the raw entry points by address (kernels/csrc/raw_kernels.h)");
   m.def("quant_linear", &quant_linear, "y = x W^T + b, W in GGUF blocks (row-invariant)", pybind11::arg("x"),
-        pybind11::arg("w"), pybind11::arg("kind"), pybind11::arg("K"), pybind11::arg("bias") = pybind11::none());
+        pybind11::arg("w"), pybind11::arg("kind"), pybind11::arg("K"), pybind11::arg("bias") = pybind11::none(),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("try_quant_linear", &try_quant_linear, "quant_linear where it applies, else None", pybind11::arg("x"),
-        pybind11::arg("w"), pybind11::arg("kind"), pybind11::arg("K"), pybind11::arg("bias") = pybind11::none());
+        pybind11::arg("w"), pybind11::arg("kind"), pybind11::arg("K"), pybind11::arg("bias") = pybind11::none(),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 }

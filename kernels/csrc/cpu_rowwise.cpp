@@ -398,14 +398,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                            {"rotary", reinterpret_cast<uint64_t>(rotary)}};
   }, "the raw entry points by address (kernels/csrc/raw_kernels.h)");
   m.def("try_rms_norm", &try_rms_norm, "row-invariant RMSNorm, or None", py::arg("x"), py::arg("weight"),
-        py::arg("eps"));
+        py::arg("eps"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("try_rotary", &try_rotary, "rotary embedding (rotate-half), the reference's bits, or None", py::arg("x"),
-        py::arg("cos"), py::arg("sin"));
-  m.def("try_silu_mul", &try_silu_mul, "row-invariant silu(gate) * up, or None", py::arg("gate"), py::arg("up"));
+        py::arg("cos"), py::arg("sin"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("try_silu_mul", &try_silu_mul, "row-invariant silu(gate) * up, or None", py::arg("gate"), py::arg("up"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("try_rms_norm_1p", &try_rms_norm_1p, "row-invariant x * rsqrt(mean(x^2) + eps) * scale, or None",
-        py::arg("x"), py::arg("scale"), py::arg("eps"));
+        py::arg("x"), py::arg("scale"), py::arg("eps"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("try_pointwise", &try_pointwise, "element-invariant sigmoid (0), silu (1), softplus (2), exp (3), or None",
-        py::arg("x"), py::arg("op"));
+        py::arg("x"), py::arg("op"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("try_conv_silu", &try_conv_silu, "row-invariant silu(depthwise causal conv1d), or None", py::arg("x"),
-        py::arg("weight"));
+        py::arg("weight"),
+        py::call_guard<py::gil_scoped_release>());
 }
