@@ -12,8 +12,8 @@ Shapes (one sequence, no batch dim):
       decode_attention(q[b], ks[b], vs[b], scale) (default: that loop)
   linear(x [..., K], weight [N, K], bias [N] | None) -> [..., N]   (torch.nn.functional.linear)
   quant_linear(x [..., K], weight QuantWeight [N, K], bias [N] | None) -> [..., N]: the same
-      with the weight kept in its GGUF blocks (kernels/quant_weight.py); `project` calls
-      whichever of the two the weight's type asks for
+      with the weight kept in its GGUF blocks (kernels/quant_weight.py: CPU kernels/cpu_quant_linear.py,
+      GPU kernels/triton_quant_linear.py); `project` calls whichever of the two the weight's type asks for
   silu_mul(gate [..., I], up [..., I]) -> [..., I]   (silu(gate) * up)
   rms_norm_1p(x [..., D], scale [D] float32, eps) -> [..., D]   (Qwen3.5: scale = 1 + weight)
   exp(x), sigmoid(x), silu(x), softplus(x) -> x's shape and dtype

@@ -251,7 +251,8 @@ def _kernels() -> _Kernels:  # type: ignore[no-untyped-def]
     import triton
     import triton.language as tl
 
-    from keepwarm.kernels.triton_ops import _round, _softmax_tile
+    from keepwarm.kernels.triton_common import _round
+    from keepwarm.kernels.triton_ops import _softmax_tile
 
     @triton.jit
     def prefill_kernel(

@@ -45,9 +45,10 @@ import torch
 import triton
 import triton.language as tl
 
-from keepwarm.kernels import reference, triton_ops
+from keepwarm.kernels import reference, triton_ops, triton_quant_linear
 from keepwarm.kernels.ops import Ops, decode_each
-from keepwarm.kernels.triton_ops import _block, _check_dtype, _dot_precision, _round, _softmax_tile
+from keepwarm.kernels.triton_common import _check_dtype, _out_tile, _round, _store_out_tile
+from keepwarm.kernels.triton_ops import _block, _dot_precision, _softmax_tile
 
 _LOG2E = 1.4426950408889634
 
@@ -95,12 +96,7 @@ def _linear_kernel(
     # Grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)). x [M, K] contiguous, w [N, K] strided,
     # out [M, N]. out[m, n] = round(sum_k x[m, k] w[n, k] + b[n]): K in tiles of BLOCK_K from
     # 0 upward into one fp32 accumulator, the bias added after the last tile, one rounding.
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < M
-    cmask = cols < N
+    rows, cols, rmask, cmask = _out_tile(M, N, BLOCK_M, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -119,10 +115,7 @@ def _linear_kernel(
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         else:
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=DOT_PRECISION)
-    if HAS_BIAS:
-        acc = acc + tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    out_offs = rows[:, None].to(tl.int64) * N + cols[None, :]
-    tl.store(out_ptr + out_offs, _round(acc, out_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+    _store_out_tile(out_ptr, acc, b_ptr, rows, cols, rmask, cmask, N, HAS_BIAS)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -788,6 +781,7 @@ TRITON_INVARIANT_OPS = Ops(
     decode_attention=decode_attention,
     decode_attention_batch=decode_attention_batch,
     linear=linear,
+    quant_linear=triton_quant_linear.linear,  # fixed tiles, K in blocks of 32 from 0: row-invariant
     rms_norm_1p=rms_norm_1p,
     softmax=softmax,
     conv_silu=conv_silu,

@@ -15,15 +15,15 @@ import torch
 import triton
 import triton.language as tl
 
+from keepwarm.kernels import triton_quant_linear
 from keepwarm.kernels.delta_rule import triton_chunk_gated_delta_rule, triton_gated_delta_rule
 from keepwarm.kernels.ops import Ops
+from keepwarm.kernels.triton_common import _check_dtype, _round
 
 # Smallest tile side tl.dot accepts on a GPU; head dims and query groups are padded up to it.
 _MIN_DOT = 16
 # Decode splits the key range into at most this many chunks (flash-decoding), reduced by a second kernel.
 _MAX_DECODE_SPLITS = 32
-
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _block(n: int) -> int:
@@ -34,25 +34,6 @@ def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs must not silently drop to tf32 on the GPU: the reference is exact fp32.
     # 16-bit inputs upcast to fp32 are exact in tf32 (>= 10 mantissa bits), so "tf32" loses nothing.
     return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def _check_dtype(name: str, t: torch.Tensor) -> None:
-    if t.dtype not in _DTYPES:
-        raise ValueError(f"{name}: dtype {t.dtype} is not supported; pass float32, bfloat16 or float16")
-
-
-@triton.jit
-def _round(x, ty: tl.constexpr):
-    """Cast fp32 `x` to `ty` rounding to nearest even. bf16 is rounded by hand (add half
-    an ulp with ties to even, drop the low 16 bits) because the Triton interpreter's
-    fp32 -> bf16 cast truncates; on a GPU this equals the native RTNE cast. NaN stays NaN."""
-    if ty == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        r = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
-        return r.to(ty)
-    else:
-        return x.to(ty)
 
 
 @triton.jit
@@ -449,6 +430,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 TRITON_OPS = Ops(
     name="triton",
+    quant_linear=triton_quant_linear.linear,
     rms_norm=rms_norm,
     rotary=rotary,
     prefill_attention=prefill_attention,

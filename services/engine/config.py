@@ -140,15 +140,16 @@ class EngineConfig:
     dtype: str = setting("bfloat16", help="`bfloat16` or `float32` (also `float16`)")
     weights: str = setting(
         "auto",
-        help="how a GGUF file's quantized projections run: `as-file` (kept in their Q8_0 / Q4 / Q4_K / Q5_K / Q6_K "
-        "blocks and multiplied there: a third to a half of the memory; CPU, llama-style models), `bf16` "
-        "(dequantized to --dtype at load), or `auto` (`as-file` where it applies, else dequantized)",
+        help="how a GGUF file's quantized projections run: `as-file` (kept in their Q8_0 / Q4 / Q5 / Q4_K / Q5_K "
+        "/ Q6_K blocks and multiplied there: a third to a half of the memory; llama-style models; on a GPU "
+        "the Triton block kernel), `bf16` (dequantized to --dtype at load), or `auto` (`as-file` on the CPU "
+        "where it applies, else dequantized)",
     )
     quantize: str = setting(
         "",
         default_text="(none)",
         help="`q8_0`: a Hugging Face folder's projections quantized at load to Q8_0 blocks and multiplied "
-        "there (a bit over half the memory of bf16; CPU, llama-style models); a GGUF file is quantized already",
+        "there (a bit over half the memory of bf16; llama-style models); a GGUF file is quantized already",
     )
     num_threads: int = setting(0, help="CPU threads; 0 = torch's default")
     max_context: int = setting(8192, help="state capacity in tokens; longer prompts get 413")
@@ -277,13 +278,6 @@ class EngineConfig:
             raise ConfigError(f"--weights {self.weights!r}: use one of {', '.join(WEIGHTS)}")
         if self.quantize not in QUANTIZE:
             raise ConfigError(f"--quantize {self.quantize!r}: use q8_0 (or leave it unset)")
-        if self.quantize and (self.device != "cpu" or "cuda" in self.layer_split):
-            raise ConfigError("--quantize runs on the CPU only (no GPU kernel for quantized blocks yet)")
-        if self.weights == "as-file" and (self.device != "cpu" or "cuda" in self.layer_split):
-            raise ConfigError(
-                "--weights as-file runs on the CPU only (no GPU kernel for quantized blocks yet); "
-                "use --weights bf16 on a GPU"
-            )
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(
                 f"--device {self.device!r}: use cpu or cuda[:N] (ROCm builds of torch report cuda)"

@@ -45,14 +45,10 @@ def test_weights_default_to_auto_and_refuse_what_they_cannot_do() -> None:
     assert config_from(env={**BASE, "KEEPWARM_WEIGHTS": "as-file"}).weights == "as-file"
     with pytest.raises(ConfigError, match="--weights 'q4': use one of auto, as-file, bf16"):
         config_from(env={**BASE, "KEEPWARM_WEIGHTS": "q4"})
-    with pytest.raises(ConfigError, match="--weights as-file runs on the CPU only"):
-        config_from(env={**BASE, "KEEPWARM_WEIGHTS": "as-file", "KEEPWARM_LAYER_SPLIT": "cuda:0,cpu"})
 
 
-def test_quantize_takes_q8_0_on_the_cpu_only() -> None:
+def test_quantize_takes_q8_0() -> None:
     assert config_from(env=BASE).quantize == ""
     assert config_from(env={**BASE, "KEEPWARM_QUANTIZE": "q8_0"}).quantize == "q8_0"
     with pytest.raises(ConfigError, match="--quantize 'q4_k': use q8_0"):
         config_from(env={**BASE, "KEEPWARM_QUANTIZE": "q4_k"})
-    with pytest.raises(ConfigError, match="--quantize runs on the CPU only"):
-        config_from(env={**BASE, "KEEPWARM_QUANTIZE": "q8_0", "KEEPWARM_LAYER_SPLIT": "cuda:0,cpu"})

@@ -38,16 +38,25 @@ MODEL_TYPE_TO_FAMILY = {
 BLOCK_FAMILIES = frozenset({"dense"})  # families whose projections run on quantized blocks
 
 
-def _blocks_unsupported(ckpt: Checkpoint, placement: Placement) -> str | None:
-    """Why this checkpoint's projections cannot run on quantized blocks here (None: they can)."""
+def _blocks_unsupported(ckpt: Checkpoint, placement: Placement, asked: bool) -> str | None:
+    """Why this checkpoint's projections cannot run on quantized blocks here (None: they can).
+    `asked`: the user asked for blocks (--weights as-file, --quantize); only then do GPU stages
+    get them: the GPU block kernel (kernels/triton_quant_linear.py) has been checked under the
+    Triton interpreter, not yet by a GPU run, so `auto` keeps a GPU's weights dequantized."""
+    import importlib.util
+
     from keepwarm.kernels import cpu_quant_linear
 
     family = MODEL_TYPE_TO_FAMILY.get(ckpt.model_type, ckpt.model_type)
     if family not in BLOCK_FAMILIES:
         return f"the {family} family runs dequantized weights only (block weights: {', '.join(sorted(BLOCK_FAMILIES))})"
-    if any(d.type != "cpu" for d in placement.devices):
-        return "quantized blocks run on the CPU only (no GPU kernel for them yet)"
-    if not cpu_quant_linear.available():
+    kinds = {d.type for d in placement.devices}
+    if "cuda" in kinds:
+        if not asked:
+            return "a GPU runs dequantized weights unless --weights as-file asks for its block kernel"
+        if importlib.util.find_spec("triton") is None:
+            return "quantized blocks on a GPU need Triton, which does not import here"
+    if "cpu" in kinds and not cpu_quant_linear.available():
         return "the block kernel is not built for this CPU (x86 with AVX2, FMA and F16C)"
     return None
 
@@ -63,7 +72,7 @@ def keeps_blocks(weights: str, ckpt: Checkpoint, placement: Placement) -> bool:
     if ckpt.weights_format not in ("gguf", "gguf-blocks"):
         why = f"{ckpt.path} is not a GGUF file (its weights have no quantized blocks)"
     else:
-        why = _blocks_unsupported(ckpt, placement)
+        why = _blocks_unsupported(ckpt, placement, asked=weights == "as-file")
     if why is not None and weights == "as-file":
         raise CheckpointError(f"--weights as-file: {why}; use --weights bf16 (or auto)")
     return why is None
@@ -76,7 +85,7 @@ def check_quantize(quantize: str, ckpt: Checkpoint, placement: Placement) -> Non
         raise CheckpointError(
             f"--quantize {quantize}: {ckpt.path} is a GGUF file, quantized already (--weights picks how it runs)"
         )
-    why = _blocks_unsupported(ckpt, placement)
+    why = _blocks_unsupported(ckpt, placement, asked=True)
     if why is not None:
         raise CheckpointError(f"--quantize {quantize}: {why}; drop --quantize")
 

@@ -318,3 +318,7 @@ def test_as_file_applies_to_gguf_dense_on_the_cpu_and_is_refused_by_name_elsewhe
     with pytest.raises(CheckpointError, match="--quantize q8_0: .* is a GGUF file, quantized already"):
         check_quantize("q8_0", gguf_ckpt, cpu)
     check_quantize("q8_0", folder, two)  # a llama folder on the CPU: it applies
+    # a GPU keeps its weights dequantized unless asked; asked, its block kernel runs (Triton)
+    gpu = Placement.of(torch.device("cuda"), 30)
+    assert keeps_blocks("auto", gguf_ckpt, gpu) is False
+    assert keeps_blocks("as-file", gguf_ckpt, gpu) is True
