@@ -92,3 +92,33 @@ def test_the_kernels_refusals() -> None:
     x = torch.randn(2, 64).half()
     assert not cpu_quant_linear.uses_kernel(x, w)
     assert cpu_quant_linear.linear(x, w).dtype == torch.float16
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_builds_give_the_same_bits(kind: QuantKind) -> None:
+    """The AVX-512 build (compiled with the AVX-512 flags besides AVX2's) gives every output the
+    AVX2 build's bits: the snapshots of a model on blocks do not depend on the CPU's build."""
+    from keepwarm.kernels import cpu_extension, cpu_linear
+
+    flags = cpu_linear.cpu_flags()
+    if not all(f in flags for f in cpu_linear.ISA_FLAGS["avx512_bf16"]):
+        pytest.skip("this CPU runs only the AVX2 build: nothing to compare it with")
+    builds = [
+        cpu_extension.build(
+            cpu_quant_linear.SOURCE,
+            cpu_linear.extension_name(cpu_quant_linear.EXTENSION_NAME, isa),
+            isa,
+            extra_flags=cpu_quant_linear.EXTRA_FLAGS,
+        )
+        for isa in cpu_linear.ISAS
+    ]
+    k = 768 if kind in K_KINDS else 576
+    w = random_blocks(kind, 37, k, seed=6)
+    g = torch.Generator().manual_seed(7)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(11, k, generator=g).to(dtype)  # two 4-row tiles and 3 single rows
+        bias = torch.randn(37, generator=g).to(dtype)
+        kind_id = KINDS.index(kind)
+        outs = [ext.quant_linear(x, w.blocks, kind_id, k, bias) for ext in builds]
+        assert torch.equal(outs[0], outs[1]), dtype
+        assert torch.equal(outs[0], cpu_quant_linear.linear(x, w, bias))
