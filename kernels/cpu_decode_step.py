@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import torch
 
 from keepwarm.kernels import cpu_attention, cpu_extension, cpu_linear, cpu_quant_linear, cpu_rowwise
-from keepwarm.kernels.quant_weight import KINDS, QuantWeight, Weight
+from keepwarm.kernels.quant_weight import KINDS, QuantRows, QuantWeight, Weight
 
 SOURCE = cpu_extension.CSRC / "cpu_decode_step.cpp"
 EXTENSION_NAME = "keepwarm_cpu_decode_step"
@@ -82,15 +82,23 @@ def _bf16(t: torch.Tensor | None, *shape: int) -> bool:
     )
 
 
-def _proj(api: dict[str, int], w: Weight | None, n: int, k: int) -> tuple[int, torch.Tensor, int] | None:
-    """(the product's address, the tensor it reads, its variant) for a [n, k] weight, or None."""
+def _parts(
+    api: dict[str, int], w: Weight | None, n: int, k: int
+) -> list[tuple[int, torch.Tensor, int, int]] | None:
+    """A [n, k] weight's parts for the step: (the product's address, the tensor it reads, its
+    rows, its variant) each, or None where the step has no product for it."""
+    if isinstance(w, QuantRows):
+        parts = [_parts(api, p, p.shape[0], k) for p in w.parts]
+        if any(p is None for p in parts) or w.shape != (n, k):
+            return None
+        return [one for p in parts if p is not None for one in p]
     if isinstance(w, QuantWeight):
         if w.shape != (n, k) or w.device.type != "cpu" or not w.blocks.is_contiguous():
             return None
-        return api["quant_linear"], w.blocks, KINDS.index(w.kind)
+        return [(api["quant_linear"], w.blocks, n, KINDS.index(w.kind))]
     if w is None or not _bf16(w, n, k):
         return None
-    return api["linear"], w, int(cpu_linear.default().prefill_form == "fma")
+    return [(api["linear"], w, n, int(cpu_linear.default().prefill_form == "fma"))]
 
 
 def plan(shape: DenseShape, layers: Sequence[Any], rotary_dim: int) -> DecodeStep | None:
@@ -121,10 +129,12 @@ def plan(shape: DenseShape, layers: Sequence[Any], rotary_dim: int) -> DecodeSte
             (layer.w_down, layer.b_down, s.hidden, s.intermediate),
         )
         for slot, (w, b, n, k) in enumerate(projs):
-            p = _proj(api, w, n, k)
-            if p is None or not _bf16(b, n):
+            parts = _parts(api, w, n, k)
+            if parts is None or not _bf16(b, n):
                 return None
-            step.set_proj(slot, p[0], p[1], n, k, p[2], b)
+            biases = b.split([rows for _, _, rows, _ in parts]) if b is not None else [None] * len(parts)
+            for (fn, tensor, rows, variant), part_bias in zip(parts, biases, strict=True):
+                step.add_part(slot, fn, tensor, rows, k, variant, part_bias)
     return step  # type: ignore[no-any-return]
 
 

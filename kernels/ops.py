@@ -58,7 +58,7 @@ import torch.nn.functional as F
 
 from keepwarm.kernels import reference
 from keepwarm.kernels.delta_rule import DeltaRuleFn, chunk_gated_delta_rule, recurrent_gated_delta_rule
-from keepwarm.kernels.quant_weight import QuantWeight
+from keepwarm.kernels.quant_weight import QuantRows, QuantWeight, Weight
 
 if TYPE_CHECKING:
     from keepwarm.kernels.cpu_decode_step import DecodeStep
@@ -103,12 +103,17 @@ class Ops:
     write_rows: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
     dense_decode_step: Callable[..., DecodeStep | None] | None = None
 
-    def project(
-        self, x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """x @ weight^T (+ bias) for a dense weight or one kept in its blocks."""
+    def project(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ weight^T (+ bias) for a dense weight or one kept in its blocks (a QuantRows: each
+        part by its own kernel, the results side by side)."""
         if isinstance(weight, QuantWeight):
             return self.quant_linear(x, weight, bias)
+        if isinstance(weight, QuantRows):
+            sizes = [p.shape[0] for p in weight.parts]
+            biases = bias.split(sizes) if bias is not None else [None] * len(sizes)
+            return torch.cat(
+                [self.quant_linear(x, p, b) for p, b in zip(weight.parts, biases, strict=True)], dim=-1
+            )
         return self.linear(x, weight, bias)
 
     def __post_init__(self) -> None:

@@ -288,7 +288,33 @@ def quantize_q8_0(w: torch.Tensor) -> QuantWeight:
     return QuantWeight.from_gguf("Q8_0", raw.reshape(n, -1), k)
 
 
-Weight: TypeAlias = torch.Tensor | QuantWeight  # a projection's weight: dense or in its blocks
+@dataclass(frozen=True)
+class QuantRows:
+    """Block weights of different kinds stacked along N (a fused projection whose parts cannot
+    share one kind: a Q4_K_M file's Q4_K q / k beside a Q6_K v); each part is multiplied by its
+    own kernel and the results laid side by side, so every output has its part's bits."""
+
+    parts: tuple[QuantWeight, ...]
+
+    def __post_init__(self) -> None:
+        assert len(self.parts) > 1 and len({p.in_features for p in self.parts}) == 1, self.parts
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (sum(p.shape[0] for p in self.parts), self.parts[0].in_features)
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts[0].device
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.cat([p.dequantize(dtype) for p in self.parts])
+
+    def to(self, device: torch.device | str) -> QuantRows:
+        return QuantRows(tuple(p.to(device) for p in self.parts))
+
+
+Weight: TypeAlias = torch.Tensor | QuantWeight | QuantRows  # a projection's weight: dense or in blocks
 
 
 _Q8_0_OFFSET: dict[QuantKind, int] = {"Q8_0": 0, "Q4_0": 8, "Q5_0": 16}  # w = d (q - offset): Q8_0 exactly
@@ -306,15 +332,28 @@ def _as_q8_0(w: QuantWeight) -> QuantWeight:
     return QuantWeight("Q8_0", rows.contiguous(), w.in_features)
 
 
-def cat_rows(parts: Sequence[torch.Tensor | QuantWeight], dtype: torch.dtype) -> torch.Tensor | QuantWeight:
-    """The parts stacked along N (a fused projection): blocks when every part has the same kind
-    (or each is Q8_0, Q4_0 or Q5_0: then Q8_0 blocks of the same values, as a Q4_K_M file's
-    fallback Q5_0 q / k beside a Q8_0 v), else the dense matrices in `dtype` (the model's)."""
+def cat_rows(parts: Sequence[torch.Tensor | QuantWeight], dtype: torch.dtype) -> Weight:
+    """The parts stacked along N (a fused projection): one block matrix when every part has the
+    same kind (or each is Q8_0, Q4_0 or Q5_0: then Q8_0 blocks of the same values, as a Q4_K_M
+    file's fallback Q5_0 q / k beside a Q8_0 v), QuantRows when the kinds differ otherwise, else
+    (a dense part among them) the dense matrices in `dtype` (the model's)."""
     if all(isinstance(p, QuantWeight) for p in parts):
         qs = [p for p in parts if isinstance(p, QuantWeight)]
         kinds = {p.kind for p in qs}
         if len(kinds) > 1 and kinds <= set(_Q8_0_OFFSET):
             qs, kinds = [_as_q8_0(p) for p in qs], {"Q8_0"}
+        if len(kinds) > 1:  # runs of one kind joined: q and k of Q4_K stay one matrix
+            runs: list[list[QuantWeight]] = []
+            for q in qs:
+                if runs and runs[-1][0].kind == q.kind:
+                    runs[-1].append(q)
+                else:
+                    runs.append([q])
+            return QuantRows(
+                tuple(
+                    QuantWeight(r[0].kind, torch.cat([q.blocks for q in r]), r[0].in_features) for r in runs
+                )
+            )
         if len(kinds) == 1:
             return QuantWeight(qs[0].kind, torch.cat([q.blocks for q in qs]), qs[0].in_features)
     return torch.cat([p.dequantize(dtype) if isinstance(p, QuantWeight) else p.to(dtype) for p in parts])

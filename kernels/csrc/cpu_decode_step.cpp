@@ -31,13 +31,32 @@ const uint16_t* bits(const at::Tensor& t) {
   return t.defined() ? reinterpret_cast<const uint16_t*>(t.data_ptr()) : nullptr;
 }
 
-// A projection: y [M, N] = x [M, K] W^T (+ bias) by `fn` (cpu_linear's or cpu_quant_linear's).
-struct Proj {
+// A projection: y [M, N] = x [M, K] W^T (+ bias), its rows in one or more parts, each by its
+// own product `fn` (cpu_linear's or cpu_quant_linear's): a fused projection of block kinds that
+// cannot share one matrix (kernels/quant_weight.py QuantRows), each part's outputs side by side.
+struct Part {
   raw::Linear fn = nullptr;
   at::Tensor w, bias;  // held: the plan keeps them alive
   int64_t N = 0, K = 0, variant = 0;
+};
+struct Proj {
+  std::vector<Part> parts;
+  int64_t N = 0;  // the parts' N summed
   void operator()(const uint16_t* x, int64_t M, uint16_t* y) const {
-    fn(x, M, K, w.data_ptr(), N, bits(bias), y, variant);
+    if (parts.size() == 1) {
+      const Part& p = parts[0];
+      p.fn(x, M, p.K, p.w.data_ptr(), p.N, bits(p.bias), y, p.variant);
+      return;
+    }
+    std::vector<uint16_t> part_out;
+    int64_t col = 0;
+    for (const Part& p : parts) {
+      part_out.resize(M * p.N);
+      p.fn(x, M, p.K, p.w.data_ptr(), p.N, bits(p.bias), part_out.data(), p.variant);
+      for (int64_t r = 0; r < M; ++r)
+        std::memcpy(y + r * N + col, part_out.data() + r * p.N, p.N * sizeof(uint16_t));
+      col += p.N;
+    }
   }
 };
 
@@ -77,18 +96,21 @@ class DecodeStep {
     layers_.push_back(std::move(l));
   }
 
-  // The last added layer's projection `slot` (0 qkv, 1 o, 2 gate_up, 3 down).
-  void set_proj(int64_t slot, uint64_t fn, const at::Tensor& w, int64_t N, int64_t K, int64_t variant,
+  // A part (the next rows) of the last added layer's projection `slot` (0 qkv, 1 o, 2 gate_up, 3 down).
+  void add_part(int64_t slot, uint64_t fn, const at::Tensor& w, int64_t N, int64_t K, int64_t variant,
                 const c10::optional<at::Tensor>& bias) {
-    TORCH_CHECK(!layers_.empty() && slot >= 0 && slot < 4, "set_proj: add a layer first; slot 0..3");
+    TORCH_CHECK(!layers_.empty() && slot >= 0 && slot < 4, "add_part: add a layer first; slot 0..3");
     Layer& l = layers_.back();
     Proj* p[4] = {&l.qkv, &l.o, &l.gate_up, &l.down};
-    p[slot]->fn = reinterpret_cast<raw::Linear>(fn);
-    p[slot]->w = w;
-    p[slot]->N = N;
-    p[slot]->K = K;
-    p[slot]->variant = variant;
-    if (bias.has_value()) p[slot]->bias = *bias;
+    Part part;
+    part.fn = reinterpret_cast<raw::Linear>(fn);
+    part.w = w;
+    part.N = N;
+    part.K = K;
+    part.variant = variant;
+    if (bias.has_value()) part.bias = *bias;
+    p[slot]->parts.push_back(std::move(part));
+    p[slot]->N += N;
   }
 
   // x [B, hidden] bf16 (the new tokens' embeddings), cos / sin [B, head_dim] bf16 (their
@@ -168,7 +190,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("intermediate"), py::arg("eps"), py::arg("scale"))
       .def("add_layer", &DecodeStep::add_layer, py::arg("input_norm"), py::arg("q_norm"), py::arg("k_norm"),
            py::arg("post_norm"))
-      .def("set_proj", &DecodeStep::set_proj, py::arg("slot"), py::arg("fn"), py::arg("w"), py::arg("N"),
+      .def("add_part", &DecodeStep::add_part, py::arg("slot"), py::arg("fn"), py::arg("w"), py::arg("N"),
            py::arg("K"), py::arg("variant"), py::arg("bias"))
       .def("run", &DecodeStep::run, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("caches"),
            py::arg("positions"), py::call_guard<py::gil_scoped_release>());

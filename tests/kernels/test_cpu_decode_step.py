@@ -17,7 +17,7 @@ from keepwarm.engine.models.dense import DenseBackend
 from keepwarm.kernels import cpu_decode_step, cpu_linear
 from keepwarm.kernels.invariance import SelfCheck, _CheckedStep
 from keepwarm.kernels.ops import cpu_ops
-from keepwarm.kernels.quant_weight import K_KINDS
+from keepwarm.kernels.quant_weight import K_KINDS, QuantRows, cat_rows
 from tests.kernels.quant_blocks import random_weight
 
 transformers = pytest.importorskip("transformers")
@@ -59,7 +59,13 @@ def _backend(tmp: Path, case: str, weights: str) -> DenseBackend:
         for i, layer in enumerate(b.layers):
             for j, name in enumerate(("w_qkv", "w_o", "w_gate_up", "w_down")):
                 w = getattr(layer, name)
-                setattr(layer, name, random_weight(weights, *w.shape, seed=4 * i + j))  # type: ignore[arg-type]
+                if weights == "mixed":  # a Q4_K_M file's layer: q, k Q4_K and v Q6_K; the rest Q4_K
+                    kv = (w.shape[0] - 256) // 2 if name == "w_qkv" else 0
+                    q_k = random_weight("Q4_K", w.shape[0] - kv, w.shape[1], seed=4 * i + j)
+                    parts = [q_k, random_weight("Q6_K", kv, w.shape[1], seed=9)] if kv else [q_k]
+                    setattr(layer, name, cat_rows(parts, torch.bfloat16))
+                else:
+                    setattr(layer, name, random_weight(weights, *w.shape, seed=4 * i + j))  # type: ignore[arg-type]
         b._step = b._decode_step()
     return b
 
@@ -82,7 +88,7 @@ def _run(b: DenseBackend) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 
 @pytest.mark.parametrize(
     ("case", "weights"),
-    [(c, w) for c in sorted(CASES) for w in WEIGHTS] + [("llama-256", k) for k in K_KINDS],
+    [(c, w) for c in sorted(CASES) for w in WEIGHTS] + [("llama-256", k) for k in (*K_KINDS, "mixed")],
 )
 def test_fused_step_has_the_per_operation_bits(case: str, weights: str, tmp_path: Path) -> None:
     assert cpu_decode_step.available()
@@ -97,6 +103,8 @@ def test_fused_step_has_the_per_operation_bits(case: str, weights: str, tmp_path
         return per_op(*args)
 
     b._qkv = counting  # type: ignore[method-assign]
+    if weights == "mixed":
+        assert isinstance(b.layers[0].w_qkv, QuantRows)
     fused_logits, fused_rows = _run(b)
     # the prefills (3 sequences x 2 layers) and the self-check's first decode step per op
     assert calls["per_op"] == 3 * 2 + 2

@@ -122,3 +122,19 @@ def test_the_builds_give_the_same_bits(kind: QuantKind) -> None:
         outs = [ext.quant_linear(x, w.blocks, kind_id, k, bias) for ext in builds]
         assert torch.equal(outs[0], outs[1]), dtype
         assert torch.equal(outs[0], cpu_quant_linear.linear(x, w, bias))
+
+
+def test_a_projection_of_mixed_kinds_is_its_parts_side_by_side() -> None:
+    from keepwarm.kernels.ops import cpu_ops
+    from keepwarm.kernels.quant_weight import QuantRows, cat_rows
+
+    parts = [random_blocks(k, n, 256, seed=n) for k, n in (("Q4_K", 24), ("Q6_K", 40), ("Q5_1", 8))]
+    fused = cat_rows(parts, torch.bfloat16)
+    assert isinstance(fused, QuantRows)
+    g = torch.Generator().manual_seed(8)
+    x, bias = torch.randn(6, 256, generator=g).bfloat16(), torch.randn(72, generator=g).bfloat16()
+    y = cpu_ops().project(x, fused, bias)
+    want = torch.cat(
+        [cpu_quant_linear.linear(x, p, b) for p, b in zip(parts, bias.split([24, 40, 8]), strict=True)], -1
+    )
+    assert y.shape == (6, 72) and torch.equal(y, want)

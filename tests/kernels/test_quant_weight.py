@@ -73,14 +73,11 @@ def test_rows_are_an_embedding_lookup() -> None:
     assert torch.equal(embedding(ids, dense, torch.bfloat16), dense[ids])
 
 
-def test_mixed_kinds_fuse_dense() -> None:
+def test_a_dense_part_makes_the_fused_projection_dense() -> None:
     a = QuantWeight.from_gguf("Q8_0", _blocks("Q8_0", 4, 64), 64)
-    b = QuantWeight.from_gguf("Q4_1", _blocks("Q4_1", 6, 64), 64)
-    fused = cat_rows([a, b], torch.bfloat16)  # the model's dtype (a Q5_K_M file's Q5_1 q / k, Q8_0 v)
-    assert isinstance(fused, torch.Tensor) and fused.dtype == torch.bfloat16
-    assert torch.equal(fused, torch.cat([a.dequantize(torch.bfloat16), b.dequantize(torch.bfloat16)]))
-    mixed = cat_rows([a, torch.zeros(2, 64, dtype=torch.bfloat16)], torch.bfloat16)
+    mixed = cat_rows([a, torch.zeros(2, 64, dtype=torch.float32)], torch.bfloat16)  # the model's dtype
     assert isinstance(mixed, torch.Tensor) and mixed.dtype == torch.bfloat16 and mixed.shape == (6, 64)
+    assert torch.equal(mixed[:4], a.dequantize(torch.bfloat16))
 
 
 def test_q4_0_and_q5_0_fuse_with_q8_0_as_q8_0_of_the_same_values() -> None:
@@ -90,6 +87,19 @@ def test_q4_0_and_q5_0_fuse_with_q8_0_as_q8_0_of_the_same_values() -> None:
     ]
     fused = cat_rows(parts, torch.bfloat16)
     assert isinstance(fused, QuantWeight) and fused.kind == "Q8_0" and fused.shape == (12, 64)
+    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
+
+
+def test_kinds_that_cannot_share_blocks_fuse_as_rows_of_parts() -> None:
+    """A Q4_K_M file's Q4_K q and k beside a Q6_K v: q and k one Q4_K matrix, v its own part."""
+    from keepwarm.kernels.quant_weight import QuantRows
+
+    parts = [
+        QuantWeight.from_gguf(k, _blocks(k, 2 + i, 256), 256) for i, k in enumerate(("Q4_K", "Q4_K", "Q6_K"))
+    ]
+    fused = cat_rows(parts, torch.bfloat16)
+    assert isinstance(fused, QuantRows) and fused.shape == (9, 256)
+    assert [(p.kind, p.shape) for p in fused.parts] == [("Q4_K", (5, 256)), ("Q6_K", (4, 256))]
     assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
 
 

@@ -14,7 +14,7 @@ import torch
 
 from keepwarm.engine.cache.snapshot import Geometry, Snapshot
 from keepwarm.engine.models.placement import Placement
-from keepwarm.kernels.quant_weight import QuantWeight
+from keepwarm.kernels.quant_weight import QuantRows, QuantWeight
 
 
 @dataclass
@@ -117,7 +117,10 @@ def weight_bytes_by_type(backend: object) -> dict[str, int]:
     out: dict[str, int] = {}
 
     def walk(obj: object, depth: int) -> None:
-        if isinstance(obj, QuantWeight):
+        if isinstance(obj, QuantRows):
+            for part in obj.parts:
+                walk(part, depth)
+        elif isinstance(obj, QuantWeight):
             if id(obj.blocks) not in seen:
                 seen.add(id(obj.blocks))
                 out[obj.kind] = out.get(obj.kind, 0) + obj.nbytes
