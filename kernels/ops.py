@@ -200,6 +200,28 @@ def cpu_ops(invariant: bool = True) -> Ops:
     return SelfCheck(fast, plain).ops()
 
 
+@functools.cache
+def kernel_sources_digest() -> str:
+    """16 hex over the kernels' sources (kernels/*.py, kernels/csrc/*): the arithmetic a bundle's
+    ops run, so that a snapshot never outlives the code that computed it (an upgrade that
+    changes a kernel's bits starts a new snapshot namespace)."""
+    import hashlib
+    from pathlib import Path
+
+    root = Path(__file__).parent
+    h = hashlib.sha256()
+    for path in sorted([*root.glob("*.py"), *(root / "csrc").glob("*")]):
+        if path.is_file():
+            h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def kernels_id(ops: Ops) -> str:
+    """What a snapshot's bits depend on in the ops: the bundle (e.g. `cpu_invariant`, or the
+    non-invariant `torch+cpu_linear`) and its sources' digest."""
+    return f"{ops.name}:{kernel_sources_digest()}"
+
+
 def ops_for(device: torch.device, use_triton: bool | None = None, invariant: bool = True) -> Ops:
     """The ops to run on `device`: on a GPU, when Triton imports, the invariant Triton bundle
     "triton_invariant" (kernels/triton_invariant.py) or, with invariant=False, the faster

@@ -149,7 +149,8 @@ class EngineConfig:
         "",
         default_text="(none)",
         help="`q8_0`: a Hugging Face folder's projections quantized at load to Q8_0 blocks and multiplied "
-        "there (a bit over half the memory of bf16; llama-style models); a GGUF file is quantized already",
+        "there (a bit over half the memory of bf16; llama-style models), kept in --cache-dir's `.quantized/` so "
+        "a restart reads them; a GGUF file is quantized already",
     )
     num_threads: int = setting(0, help="CPU threads; 0 = torch's default")
     max_context: int = setting(8192, help="state capacity in tokens; longer prompts get 413")

@@ -54,6 +54,7 @@ from keepwarm.engine.models import build_backend, check_quantize, keeps_blocks
 from keepwarm.engine.models.backend import weight_bytes_by_type
 from keepwarm.engine.models.placement import Placement
 from keepwarm.engine.serving.tool_calls import encode_chat_with_tools, tool_format_for
+from keepwarm.kernels.ops import kernels_id
 
 MAX_AUTO_WINDOW = 256  # `auto:W` compares with at most this many recent prompts
 
@@ -102,7 +103,7 @@ def open_model(cfg: EngineConfig) -> tuple[Checkpoint, Placement]:
     placement = Placement.from_config(cfg.layer_split, cfg.device, ckpt.num_layers)
     if cfg.quantize:
         check_quantize(cfg.quantize, ckpt, placement)
-        ckpt = open_checkpoint(cfg.model, quantize=cfg.quantize)
+        ckpt = open_checkpoint(cfg.model, quantize=cfg.quantize, cache_dir=cfg.cache_dir)
     elif keeps_blocks(cfg.weights, ckpt, placement):
         ckpt = open_checkpoint(cfg.model, keep_blocks=True)  # the header is parsed once
     return ckpt, placement
@@ -117,9 +118,10 @@ class Engine:
         self.device = self.placement.first
         self.tokenizer = self.ckpt.open_tokenizer()
         self.template = self._chat_template()
-        self.backend = build_backend(
-            self.ckpt, self.placement, cfg.torch_dtype, self.placement.ops(cfg.use_triton, cfg.deterministic)
-        )
+        ops = self.placement.ops(cfg.use_triton, cfg.deterministic)
+        self.backend = build_backend(self.ckpt, self.placement, cfg.torch_dtype, ops)
+        if self.ckpt.quantized_store is not None:
+            self.ckpt.quantized_store.flush()  # --quantize: the next start reads these blocks
         self.weight_bytes_by_type = weight_bytes_by_type(self.backend)  # /metrics
         graphs = DecodeGraphs.for_backend(self.backend, cfg.max_seqs, cfg.max_context, cfg.enforce_eager)
         self.runner = Runner(self.backend, graphs)
@@ -135,6 +137,7 @@ class Engine:
             chat_template_hash=self.template.template_hash,
             dtype=str(cfg.torch_dtype),
             layout_id=self.backend.geometry.layout_id(),
+            kernels=kernels_id(ops),
         )
         memory = MemoryCache(cfg.memory_budget) if cfg.memory_budget > 0 else None
         disk = None

@@ -115,9 +115,11 @@ def namespace_id(
     dtype: str,
     layout_id: str,
     weights_format: str,
+    kernels: str,
 ) -> str:
     """32 hex naming everything a snapshot's bytes depend on (docs/architecture.md, 'Namespaces and keys')."""
     fields = {
+        "kernels": kernels,
         "format_version": int(format_version),
         "family": family,
         "weights_fingerprint": weights_fingerprint,

@@ -19,8 +19,9 @@ import torch
 from safetensors import safe_open
 
 from keepwarm.engine.loading.chat_template import ChatTemplate
+from keepwarm.engine.loading.quantized_store import QuantizedStore
 from keepwarm.engine.loading.tokenizer import Tokenizer
-from keepwarm.kernels.quant_weight import QuantWeight, quantize_q8_0
+from keepwarm.kernels.quant_weight import QuantWeight, quantize_q8_0, row_bytes
 
 _DTYPE_BYTES = {"I64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
@@ -37,8 +38,10 @@ class Checkpoint:
     # projections stay in their quantized blocks where the file has blocks the kernels multiply
     # (`load_linear`; a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K): --weights as-file
     keep_blocks: bool = field(default=False, compare=False)
-    # "q8_0": a Hugging Face folder's projections quantized to Q8_0 blocks at load (--quantize)
+    # "q8_0": a Hugging Face folder's projections quantized to Q8_0 blocks at load (--quantize),
+    # read from and kept in `quantized_store` where there is one (a cache folder)
     quantize: str = field(default="", compare=False)
+    quantized_store: QuantizedStore | None = field(default=None, compare=False, repr=False)
     # called after each weight is read (load progress: models/__init__.py's build_backend)
     on_load: list[Callable[[], None]] = field(default_factory=list, init=False, repr=False, compare=False)
 
@@ -132,7 +135,16 @@ class Checkpoint:
         blocks the kernels multiply, made Q8_0 blocks with `quantize` (K a multiple of 32), else
         as `load` reads it."""
         if self.quantize == "q8_0" and shape[1] % 32 == 0:
-            return quantize_q8_0(self.load(name, torch.float32, "cpu", shape=shape)).to(device)
+            store = self.quantized_store
+            kept = store.get(name) if store is not None else None
+            if kept is not None and tuple(kept.shape) == (shape[0], row_bytes("Q8_0", shape[1])):
+                for report in self.on_load:
+                    report()
+                return QuantWeight("Q8_0", kept, shape[1]).to(device)
+            made = quantize_q8_0(self.load(name, torch.float32, "cpu", shape=shape))
+            if store is not None:
+                store.put(name, made.blocks)
+            return made.to(device)
         return self.load(name, dtype, device, shape=shape)
 
     def _read(self, name: str) -> tuple[torch.Tensor, str]:
@@ -180,10 +192,13 @@ def gguf_in(path: Path) -> Path | None:
     return None
 
 
-def open_checkpoint(path: str | Path, keep_blocks: bool = False, quantize: str = "") -> Checkpoint:
+def open_checkpoint(
+    path: str | Path, keep_blocks: bool = False, quantize: str = "", cache_dir: Path | None = None
+) -> Checkpoint:
     """The checkpoint at `path` (a Hugging Face folder or a GGUF file); `keep_blocks`: a GGUF
     file's quantized projections are loaded as blocks; `quantize` ("q8_0"): a folder's are
-    quantized to blocks at load (Checkpoint.load_linear)."""
+    quantized to blocks at load (Checkpoint.load_linear), kept in `cache_dir` for the next load
+    (loading/quantized_store.py; the engine writes them once the model is built)."""
     root = Path(path).expanduser()
     gguf = gguf_in(root)
     if gguf is not None:
@@ -201,7 +216,15 @@ def open_checkpoint(path: str | Path, keep_blocks: bool = False, quantize: str =
         config = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from e
-    return Checkpoint(root, config, _index_weights(root), quantize=quantize)
+    weights = _index_weights(root)
+    store = None
+    if quantize and cache_dir is not None:
+        from keepwarm.engine.cache.namespace import weights_fingerprint
+
+        files = sorted(set(weights.values()))
+        source = weights_fingerprint(files, Path(cache_dir) / "fingerprints.json")
+        store = QuantizedStore(Path(cache_dir), source, quantize)
+    return Checkpoint(root, config, weights, quantize=quantize, quantized_store=store)
 
 
 def _index_weights(root: Path) -> dict[str, Path]:

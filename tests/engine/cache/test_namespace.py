@@ -28,6 +28,7 @@ NS_FIELDS = dict(
     dtype="bfloat16",
     layout_id="l",
     weights_format="safetensors",
+    kernels="cpu_invariant:0123456789abcdef",
 )
 
 
@@ -78,7 +79,7 @@ def test_prefix_key_rejects_non_int32_tokens() -> None:
 
 def test_namespace_id_is_pinned_and_changes_with_every_field() -> None:
     base = namespace_id(**NS_FIELDS)
-    assert base == "00b2410d89a96c97b511254238e3623c"
+    assert base == "8b990747a1f65404a8bae641989dbc2d"
     changed = set()
     for name, value in NS_FIELDS.items():
         other = dict(NS_FIELDS)
@@ -139,3 +140,15 @@ def test_weights_fingerprint_cache_skips_rehash_until_size_or_mtime_change(
     assert len(reads) == 2 and second != first
     cache.write_text("{not json")  # a damaged cache is rebuilt, not trusted
     assert weights_fingerprint([w], cache) == second and len(reads) == 3
+
+
+def test_the_kernels_enter_the_namespace_by_bundle_and_sources() -> None:
+    """Snapshots of the invariant kernels and of the others (--deterministic false) never mix,
+    nor those of two versions of the kernels' code."""
+    from keepwarm.kernels.ops import TORCH_OPS, cpu_ops, kernel_sources_digest, kernels_id
+
+    digest = kernel_sources_digest()
+    assert len(digest) == 16 and kernels_id(TORCH_OPS) == f"torch:{digest}"
+    assert kernels_id(cpu_ops(True)) != kernels_id(cpu_ops(False)) or cpu_ops(True) is cpu_ops(False)
+    other = namespace_id(**{**NS_FIELDS, "kernels": f"cpu_invariant:{'f' * 16}"})  # type: ignore[arg-type]
+    assert other != namespace_id(**NS_FIELDS)  # type: ignore[arg-type]
