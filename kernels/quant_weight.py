@@ -288,6 +288,51 @@ def quantize_q8_0(w: torch.Tensor) -> QuantWeight:
     return QuantWeight.from_gguf("Q8_0", raw.reshape(n, -1), k)
 
 
+def quantize_q4_k(w: torch.Tensor) -> QuantWeight:
+    """`q4_k_bytes` as a block weight (the kernel's layout)."""
+    return QuantWeight.from_gguf("Q4_K", q4_k_bytes(w), w.shape[1])
+
+
+def q4_k_bytes(w: torch.Tensor) -> torch.Tensor:
+    """A dense [N, K] matrix (K a multiple of 256) as GGUF Q4_K blocks [N, K / 256 * 144]: per sub-block of 32 the range
+    [min(x, 0), max(x)] in 16 steps; per super-block of 8 the scales' and the offsets' largest
+    over 63 as the f16 d and dmin; each sub-block's 6-bit scale rounded up (so the range fits)
+    and its offset to nearest; q = round((x + dmin m) / (d sc)) in 0..15. A value's error is at
+    most half a step plus half of dmin. (ggml refines each sub-block's scale and offset by a
+    search; this is its plain min-max start: a little less accurate, never out of range.)"""
+    n, k = w.shape
+    x = w.float().reshape(n, k // SUPER, 8, BLOCK)
+    low = x.amin(-1).clamp(max=0)
+    scale = (x.amax(-1) - low) / 15
+    d = (scale.amax(-1) / 63).half()
+    dmin = (-low).amax(-1).div(63).half()
+    df, dminf = d.float()[..., None], dmin.float()[..., None]
+    sc = torch.where(df > 0, torch.ceil(scale / torch.where(df > 0, df, 1)), 0).clamp(0, 63)
+    m = torch.where(dminf > 0, torch.round(-low / torch.where(dminf > 0, dminf, 1)), 0).clamp(0, 63)
+    step, offset = df * sc, dminf * m
+    q = torch.where(
+        step[..., None] > 0,
+        torch.round((x + offset[..., None]) / torch.where(step > 0, step, 1)[..., None]),
+        0,
+    )
+    q = q.clamp(0, 15).to(torch.uint8)  # [n, sb, 8, 32]
+    sc8, m8 = sc.to(torch.uint8), m.to(torch.uint8)
+    scales = torch.cat(  # the 12-byte packing _scales_k4 reads
+        [
+            sc8[..., :4] | ((sc8[..., 4:] >> 4) << 6),
+            m8[..., :4] | ((m8[..., 4:] >> 4) << 6),
+            (sc8[..., 4:] & 15) | ((m8[..., 4:] & 15) << 4),
+        ],
+        dim=-1,
+    )
+    pairs = q.reshape(n, k // SUPER, 4, 2, BLOCK)  # chunk c: sub-blocks 2c (low nibbles), 2c + 1 (high)
+    qs = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).reshape(n, k // SUPER, 128)
+    raw = torch.cat(
+        [d.view(torch.uint8).reshape(n, -1, 2), dmin.view(torch.uint8).reshape(n, -1, 2), scales, qs], dim=-1
+    )
+    return raw.reshape(n, -1).contiguous()
+
+
 @dataclass(frozen=True)
 class QuantRows:
     """Block weights of different kinds stacked along N (a fused projection whose parts cannot

@@ -428,8 +428,8 @@ QUALITY_TEXT = Path(__file__).with_name("data") / "gpl-3.0.txt"  # FSF: verbatim
 def bench_quality(model: Path, dtype: torch.dtype, tokens: int) -> dict[str, Any]:
     """Perplexity of the model on the first `tokens` tokens of QUALITY_TEXT (one forward, every
     position's logits), with the weights dequantized to `dtype` (--weights bf16) and on blocks: a
-    GGUF file's own (--weights as-file, keys `_as_file`), a folder's made Q8_0 at load
-    (--quantize q8_0, keys `_q8_0`); the ratio blocks / dequantized."""
+    GGUF file's own (--weights as-file, keys `_as_file`), a folder's made Q8_0 or Q4_K at load
+    (--quantize q8_0 / q4_k, keys `_q8_0`, `_q4_k`); the ratios blocks / dequantized."""
     from keepwarm.engine.loading.checkpoint import gguf_in, open_checkpoint
     from keepwarm.engine.models import build_backend
     from keepwarm.kernels.ops import ops_for
@@ -438,7 +438,11 @@ def bench_quality(model: Path, dtype: torch.dtype, tokens: int) -> dict[str, Any
     out: dict[str, Any] = {"model": model_id(model), "dtype": str(dtype).removeprefix("torch."),
                            "text": QUALITY_TEXT.name}  # fmt: skip
     is_gguf = gguf_in(Path(model)) is not None
-    modes = [("bf16", {}), ("as_file", {"keep_blocks": True}) if is_gguf else ("q8_0", {"quantize": "q8_0"})]
+    modes: list[tuple[str, dict[str, Any]]] = [("bf16", {})]
+    if is_gguf:
+        modes.append(("as_file", {"keep_blocks": True}))
+    else:
+        modes += [("q8_0", {"quantize": "q8_0"}), ("q4_k", {"quantize": "q4_k"})]
     for name, how in modes:
         ckpt = open_checkpoint(model, **how)  # type: ignore[arg-type]
         ids = ckpt.open_tokenizer().encode(QUALITY_TEXT.read_text())[:tokens]
@@ -449,8 +453,8 @@ def bench_quality(model: Path, dtype: torch.dtype, tokens: int) -> dict[str, Any
         out[f"ppl_{name}"] = float(torch.exp(nll))
         out[f"seconds_{name}"] = time.perf_counter() - t0
         out["tokens"] = len(ids)
-    blocks = modes[1][0]
-    out[f"ppl_ratio_{blocks}"] = out[f"ppl_{blocks}"] / out["ppl_bf16"]
+    for blocks, _ in modes[1:]:
+        out[f"ppl_ratio_{blocks}"] = out[f"ppl_{blocks}"] / out["ppl_bf16"]
     out["load_average"] = os.getloadavg()
     return out
 

@@ -25,7 +25,7 @@ from keepwarm.engine.loading import packaged_model
 from keepwarm.settings import SettingsError, add_arguments, internal, parse_bool, setting
 
 WEIGHTS = ("auto", "as-file", "bf16")  # --weights
-QUANTIZE = ("", "q8_0")  # --quantize
+QUANTIZE = ("", "q8_0", "q4_k")  # --quantize
 DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
@@ -148,9 +148,10 @@ class EngineConfig:
     quantize: str = setting(
         "",
         default_text="(none)",
-        help="`q8_0`: a Hugging Face folder's projections quantized at load to Q8_0 blocks and multiplied "
-        "there (a bit over half the memory of bf16; llama-style models), kept in --cache-dir's `.quantized/` so "
-        "a restart reads them; a GGUF file is quantized already",
+        help="`q8_0` or `q4_k`: a Hugging Face folder's projections quantized at load to Q8_0 blocks (a bit over "
+        "half the memory of bf16) or Q4_K (under a third; rows not a multiple of 256 wide take Q8_0) and "
+        "multiplied there (llama-style models), kept in --cache-dir's `.quantized/` so a restart reads them; "
+        "a GGUF file is quantized already",
     )
     num_threads: int = setting(0, help="CPU threads; 0 = torch's default")
     max_context: int = setting(8192, help="state capacity in tokens; longer prompts get 413")
@@ -278,7 +279,7 @@ class EngineConfig:
         if self.weights not in WEIGHTS:
             raise ConfigError(f"--weights {self.weights!r}: use one of {', '.join(WEIGHTS)}")
         if self.quantize not in QUANTIZE:
-            raise ConfigError(f"--quantize {self.quantize!r}: use q8_0 (or leave it unset)")
+            raise ConfigError(f"--quantize {self.quantize!r}: use q8_0 or q4_k (or leave it unset)")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(
                 f"--device {self.device!r}: use cpu or cuda[:N] (ROCm builds of torch report cuda)"

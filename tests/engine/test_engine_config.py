@@ -47,8 +47,9 @@ def test_weights_default_to_auto_and_refuse_what_they_cannot_do() -> None:
         config_from(env={**BASE, "KEEPWARM_WEIGHTS": "q4"})
 
 
-def test_quantize_takes_q8_0() -> None:
+def test_quantize_takes_q8_0_or_q4_k() -> None:
     assert config_from(env=BASE).quantize == ""
     assert config_from(env={**BASE, "KEEPWARM_QUANTIZE": "q8_0"}).quantize == "q8_0"
-    with pytest.raises(ConfigError, match="--quantize 'q4_k': use q8_0"):
-        config_from(env={**BASE, "KEEPWARM_QUANTIZE": "q4_k"})
+    assert config_from(env={**BASE, "KEEPWARM_QUANTIZE": "q4_k"}).quantize == "q4_k"
+    with pytest.raises(ConfigError, match="--quantize 'q4_0': use q8_0 or q4_k"):
+        config_from(env={**BASE, "KEEPWARM_QUANTIZE": "q4_0"})

@@ -122,3 +122,30 @@ def test_q8_0_quantization_is_ggmls_bytes() -> None:
     assert ungroup("Q8_0", ours.blocks).numpy().tobytes() == np.ascontiguousarray(ref).tobytes()
     d = ours.dequantize()
     assert float((d - w).abs().max()) <= float(w.abs().max()) / 127 / 2 * 1.01
+
+
+def test_q4_k_quantization_keeps_every_value_within_its_step() -> None:
+    """quantize_q4_k: each value within half its sub-block's step plus half the super-block's
+    dmin of the input (a sub-block of zeros exact, an all-positive one too), the file's layout
+    (the gguf package's dequantize reads the same values)."""
+    from gguf.quants import dequantize as gguf_dequantize
+
+    from keepwarm.kernels.quant_weight import q4_k_bytes, quantize_q4_k
+
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(6, 512, generator=g) * 0.05
+    w[0, :32] = 0
+    w[1, 32:64] = torch.rand(32, generator=g)
+    q = quantize_q4_k(w)
+    assert q.kind == "Q4_K" and q.shape == (6, 512)
+    got = q.dequantize()
+    assert torch.equal(got[0, :32], torch.zeros(32))
+    x = w.reshape(6, 2, 8, 32)
+    step = (x.amax(-1) - x.amin(-1).clamp(max=0)) / 15
+    dmin = x.amin(-1).clamp(max=0).neg().amax(-1, keepdim=True) / 63
+    bound = (step / 2 + dmin / 2) * 1.02 + 1e-7
+    assert bool(((got - w).reshape(6, 2, 8, 32).abs() <= bound[..., None]).all())
+    assert float((got - w).pow(2).mean().sqrt() / w.pow(2).mean().sqrt()) < 0.1
+    # the bytes are the file format's: the gguf package reads the same values from them
+    ref = gguf_dequantize(q4_k_bytes(w).numpy(), GGMLQuantizationType.Q4_K)
+    assert got.numpy().tobytes() == np.ascontiguousarray(ref, dtype=np.float32).tobytes()

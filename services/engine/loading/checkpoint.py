@@ -21,7 +21,7 @@ from safetensors import safe_open
 from keepwarm.engine.loading.chat_template import ChatTemplate
 from keepwarm.engine.loading.quantized_store import QuantizedStore
 from keepwarm.engine.loading.tokenizer import Tokenizer
-from keepwarm.kernels.quant_weight import QuantWeight, quantize_q8_0, row_bytes
+from keepwarm.kernels.quant_weight import QuantKind, QuantWeight, quantize_q4_k, quantize_q8_0, row_bytes
 
 _DTYPE_BYTES = {"I64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
@@ -38,7 +38,7 @@ class Checkpoint:
     # projections stay in their quantized blocks where the file has blocks the kernels multiply
     # (`load_linear`; a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K): --weights as-file
     keep_blocks: bool = field(default=False, compare=False)
-    # "q8_0": a Hugging Face folder's projections quantized to Q8_0 blocks at load (--quantize),
+    # "q8_0" / "q4_k": a Hugging Face folder's projections quantized to blocks at load (--quantize),
     # read from and kept in `quantized_store` where there is one (a cache folder)
     quantize: str = field(default="", compare=False)
     quantized_store: QuantizedStore | None = field(default=None, compare=False, repr=False)
@@ -90,13 +90,10 @@ class Checkpoint:
                         n *= int(d)
                     kind = s.get_dtype()
                     shape = s.get_shape()
-                    if (
-                        self.quantize
-                        and kind.startswith(("F", "BF"))
-                        and len(shape) == 2
-                        and shape[1] % 32 == 0
-                    ):
-                        total += n // 32 * 34  # a matrix --quantize q8_0 may make blocks (the projections)
+                    made = _quantize_kind(self.quantize, int(shape[1])) if len(shape) == 2 else None
+                    if made is not None and kind.startswith(("F", "BF")):
+                        # a matrix --quantize may make blocks (the projections)
+                        total += int(shape[0]) * row_bytes(made, int(shape[1]))
                         continue
                     total += n * (size if kind.startswith(("F", "BF")) else _DTYPE_BYTES.get(kind, 1))
         return total
@@ -134,18 +131,20 @@ class Checkpoint:
         """A projection's weight [N, K]: in its blocks where `keep_blocks` and the file has
         blocks the kernels multiply, made Q8_0 blocks with `quantize` (K a multiple of 32), else
         as `load` reads it."""
-        if self.quantize == "q8_0" and shape[1] % 32 == 0:
-            store = self.quantized_store
-            kept = store.get(name) if store is not None else None
-            if kept is not None and tuple(kept.shape) == (shape[0], row_bytes("Q8_0", shape[1])):
-                for report in self.on_load:
-                    report()
-                return QuantWeight("Q8_0", kept, shape[1]).to(device)
-            made = quantize_q8_0(self.load(name, torch.float32, "cpu", shape=shape))
-            if store is not None:
-                store.put(name, made.blocks)
-            return made.to(device)
-        return self.load(name, dtype, device, shape=shape)
+        kind = _quantize_kind(self.quantize, shape[1])
+        if kind is None:
+            return self.load(name, dtype, device, shape=shape)
+        store = self.quantized_store
+        kept = store.get(name) if store is not None else None
+        if kept is not None and tuple(kept.shape) == (shape[0], row_bytes(kind, shape[1])):
+            for report in self.on_load:
+                report()
+            return QuantWeight(kind, kept, shape[1]).to(device)
+        dense = self.load(name, torch.float32, "cpu", shape=shape)
+        made = quantize_q4_k(dense) if kind == "Q4_K" else quantize_q8_0(dense)
+        if store is not None:
+            store.put(name, made.blocks)
+        return made.to(device)
 
     def _read(self, name: str) -> tuple[torch.Tensor, str]:
         """Tensor `name` as stored, and where it was read (for messages)."""
@@ -160,6 +159,16 @@ class Checkpoint:
         if not p.is_file():
             raise CheckpointError(f"{self.path}: {name} is missing")
         return p
+
+
+def _quantize_kind(quantize: str, k: int) -> QuantKind | None:
+    """The block kind --quantize makes of a projection K wide: Q4_K where K is whole super-blocks
+    (else Q8_0, as llama.cpp falls back), Q8_0 where K is whole blocks; None: kept dense."""
+    if quantize == "q4_k" and k % 256 == 0:
+        return "Q4_K"
+    if quantize in ("q8_0", "q4_k") and k % 32 == 0:
+        return "Q8_0"
+    return None
 
 
 def fresh_tensor(t: torch.Tensor, dtype: torch.dtype | None, device: torch.device | str) -> torch.Tensor:
@@ -196,7 +205,7 @@ def open_checkpoint(
     path: str | Path, keep_blocks: bool = False, quantize: str = "", cache_dir: Path | None = None
 ) -> Checkpoint:
     """The checkpoint at `path` (a Hugging Face folder or a GGUF file); `keep_blocks`: a GGUF
-    file's quantized projections are loaded as blocks; `quantize` ("q8_0"): a folder's are
+    file's quantized projections are loaded as blocks; `quantize` ("q8_0", "q4_k"): a folder's are
     quantized to blocks at load (Checkpoint.load_linear), kept in `cache_dir` for the next load
     (loading/quantized_store.py; the engine writes them once the model is built)."""
     root = Path(path).expanduser()

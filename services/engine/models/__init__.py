@@ -79,7 +79,7 @@ def keeps_blocks(weights: str, ckpt: Checkpoint, placement: Placement) -> bool:
 
 
 def check_quantize(quantize: str, ckpt: Checkpoint, placement: Placement) -> None:
-    """`--quantize q8_0` (a Hugging Face folder's projections made Q8_0 blocks at load) applies to
+    """`--quantize` (a Hugging Face folder's projections made Q8_0 or Q4_K blocks at load) applies to
     this checkpoint here, else a CheckpointError naming why."""
     if ckpt.weights_format.startswith("gguf"):
         raise CheckpointError(

@@ -74,7 +74,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 def _save(tmp: Path, model_type: str, extra: dict[str, Any], seed: int = 0) -> Any:
-    cfg = transformers.AutoConfig.for_model(model_type, **BASE, **extra)
+    cfg = transformers.AutoConfig.for_model(model_type, **{**BASE, **extra})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32).eval()
     with torch.no_grad():  # make biases and norms non-trivial so they are really tested
@@ -189,7 +189,7 @@ def test_bf16_runs_and_mostly_agrees(pair: tuple[Any, Any], tmp_path: Path) -> N
 
 def test_sharded_checkpoint_loads(tmp_path: Path) -> None:
     model_type, extra = CASES["qwen3-gqa4-untied"]
-    cfg = transformers.AutoConfig.for_model(model_type, **BASE, **extra)
+    cfg = transformers.AutoConfig.for_model(model_type, **{**BASE, **extra})
     torch.manual_seed(0)
     ref = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     ref.save_pretrained(tmp_path, max_shard_size="50KB")
@@ -245,3 +245,31 @@ def test_quantize_q8_0_runs_the_projections_on_blocks_close_to_transformers(
     got = ours.forward(ours.new_state(64), toks, all_logits=True)
     assert (got - want).abs().max().item() <= 0.05 * want.abs().max().item()
     assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.9
+
+
+def test_quantize_q4_k_runs_whole_super_blocks_as_q4_k_the_rest_as_q8_0(tmp_path: Path) -> None:
+    """--quantize q4_k: projections whose rows are whole super-blocks (K a multiple of 256) are
+    made Q4_K, narrower ones Q8_0; the model on its blocks computes what the same model with
+    those blocks' exact values (dequantized) computes, to the activations' rounding."""
+    from keepwarm.kernels.ops import cpu_ops
+    from keepwarm.kernels.quant_weight import QuantWeight
+
+    extra = dict(hidden_size=256, intermediate_size=320, num_attention_heads=4, num_key_value_heads=2)
+    ref = _save(tmp_path, "llama", {**extra, "tie_word_embeddings": False})
+    ckpt = open_checkpoint(tmp_path, quantize="q4_k")
+    assert ckpt.weights_format == "safetensors-q4_k"
+    ours = build_backend(ckpt, torch.device("cpu"), torch.float32, cpu_ops())
+    layer = ours.layers[0]
+    assert isinstance(layer.w_qkv, QuantWeight) and layer.w_qkv.kind == "Q4_K"  # K = 256
+    assert isinstance(layer.w_down, QuantWeight) and layer.w_down.kind == "Q8_0"  # K = 320
+    toks = _tokens(40)
+    got = ours.forward(ours.new_state(64), toks, all_logits=True)
+    exact = build_backend(ckpt, torch.device("cpu"), torch.float32, cpu_ops())
+    for layer in exact.layers:
+        for name in ("w_qkv", "w_o", "w_gate_up", "w_down"):
+            setattr(layer, name, getattr(layer, name).dequantize())
+    want = exact.forward(exact.new_state(64), toks, all_logits=True)
+    assert (got - want).abs().max().item() <= 0.01 * want.abs().max().item()
+    with torch.no_grad():  # and the 4-bit model's logits still follow transformers' (random weights:
+        dense = ref(toks[None]).logits[0].float()  # margins too thin for the argmax to hold)
+    assert torch.nn.functional.cosine_similarity(got, dense, dim=-1).min().item() >= 0.8
