@@ -228,11 +228,7 @@ def open_checkpoint(
     weights = _index_weights(root)
     store = None
     if quantize and cache_dir is not None:
-        from keepwarm.engine.cache.namespace import weights_fingerprint
-
-        files = sorted(set(weights.values()))
-        source = weights_fingerprint(files, Path(cache_dir) / "fingerprints.json")
-        store = QuantizedStore(Path(cache_dir), source, quantize)
+        store = QuantizedStore(Path(cache_dir), sorted(set(weights.values())), quantize)
     return Checkpoint(root, config, weights, quantize=quantize, quantized_store=store)
 
 

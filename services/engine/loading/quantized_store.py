@@ -13,8 +13,10 @@ quantized again: the store only ever saves work, it never changes what is comput
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -25,13 +27,25 @@ FOLDER = ".quantized"
 
 
 class QuantizedStore:
-    def __init__(self, cache_dir: Path, source: str, kind: str) -> None:
-        from keepwarm.kernels.ops import kernel_sources_digest
+    """`files`: the checkpoint's weight files, fingerprinted (through the cache folder's
+    fingerprints.json) only when a projection is first loaded, never by opening the checkpoint."""
 
-        self.path = Path(cache_dir) / FOLDER / f"{source}.{kind}.safetensors"
-        self.metadata = {"kind": kind, "source": source, "kernels": kernel_sources_digest()}
+    def __init__(self, cache_dir: Path, files: Sequence[Path], kind: str) -> None:
+        self.cache_dir, self.files, self.kind = Path(cache_dir), tuple(files), kind
         self._blocks: dict[str, torch.Tensor] | None = None  # read at the first get
         self._new = False
+
+    @functools.cached_property
+    def metadata(self) -> dict[str, str]:
+        from keepwarm.engine.cache.namespace import weights_fingerprint
+        from keepwarm.kernels.ops import kernel_sources_digest
+
+        source = weights_fingerprint(self.files, self.cache_dir / "fingerprints.json")
+        return {"kind": self.kind, "source": source, "kernels": kernel_sources_digest()}
+
+    @property
+    def path(self) -> Path:
+        return self.cache_dir / FOLDER / f"{self.metadata['source']}.{self.kind}.safetensors"
 
     def _read(self) -> dict[str, torch.Tensor]:
         if not self.path.is_file():
