@@ -23,7 +23,8 @@ the decode form). KEEPWARM_CPU_PREFILL_FORM=fma|dpbf16 forces one (tests); forci
 the probe finds it inexact raises instead of running it.
 
 Two builds of the same source, chosen once per process from the CPU's flags (`kernel_isa`):
-  - "avx512_bf16" (CPUs with avx512f/bw/vl and avx512_bf16): -mavx512* as below;
+  - "avx512_bf16" (CPUs with avx512f/bw/vl, avx512_bf16 and avx512_vnni: Cooper Lake, Sapphire
+    Rapids and later, Zen 4 and later): -mavx512* as below;
   - "avx2" (x86 CPUs without those but with avx2, fma and f16c: Zen 2/3, Haswell to Alder
     Lake): -mavx2 -mfma -mf16c -DKEEPWARM_AVX2, the AVX-512 intrinsics emulated lane by lane on
     pairs of 256-bit vectors (kernels/csrc/avx512_compat.h). The same contract, so the same
@@ -66,13 +67,22 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_linear.cpp"
 EXTENSION_NAME = "keepwarm_cpu_linear"
 STREAM_ROWS = 16  # rows up to which the streaming (decode) path runs (kStreamRows in C++)
 DECODE_FMA_ROWS = 4  # rows from which the decode path runs the "fma" form (kStreamFmaRows in C++)
-REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")  # the AVX-512 build
+REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")  # the AVX-512 build
 AVX2_FLAGS = ("avx2", "fma", "f16c")  # the AVX2 build
 # Explicit ISA flags rather than -march=native: a cached build must not use instructions the
 # runtime check did not verify.
 # -ffp-contract=off: no compiler-chosen fused multiply-adds, whose use could differ between
 # the template instances that compute the same row in different paths.
-CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-ffp-contract=off", "-fopenmp")
+CFLAGS = (
+    "-O3",
+    "-mavx512f",
+    "-mavx512bw",
+    "-mavx512vl",
+    "-mavx512bf16",
+    "-mavx512vnni",
+    "-ffp-contract=off",
+    "-fopenmp",
+)
 AVX2_CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-DKEEPWARM_AVX2")
 # torch ships libgomp.so.1 and has it loaded already; linking against the same soname makes
 # the kernel share torch's OpenMP pool (and its thread count) instead of starting a second.

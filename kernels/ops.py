@@ -218,8 +218,15 @@ def kernel_sources_digest() -> str:
 
 def kernels_id(ops: Ops) -> str:
     """What a snapshot's bits depend on in the ops: the bundle (e.g. `cpu_invariant`, or the
-    non-invariant `torch+cpu_linear`) and its sources' digest."""
-    return f"{ops.name}:{kernel_sources_digest()}"
+    non-invariant `torch+cpu_linear`), for a bundle of CPU kernels the build this CPU runs (the
+    AVX2 build's bf16 products need not have the AVX-512 build's bits: engines on two kinds of
+    CPU sharing one cache folder keep apart), and the kernels' sources' digest."""
+    name = ops.name
+    if "cpu" in name:
+        from keepwarm.kernels import cpu_linear
+
+        name += f"[{cpu_linear.kernel_isa(cpu_linear.cpu_flags())}]"
+    return f"{name}:{kernel_sources_digest()}"
 
 
 def ops_for(device: torch.device, use_triton: bool | None = None, invariant: bool = True) -> Ops:

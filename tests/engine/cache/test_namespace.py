@@ -152,3 +152,26 @@ def test_the_kernels_enter_the_namespace_by_bundle_and_sources() -> None:
     assert kernels_id(cpu_ops(True)) != kernels_id(cpu_ops(False)) or cpu_ops(True) is cpu_ops(False)
     other = namespace_id(**{**NS_FIELDS, "kernels": f"cpu_invariant:{'f' * 16}"})  # type: ignore[arg-type]
     assert other != namespace_id(**NS_FIELDS)  # type: ignore[arg-type]
+
+
+def test_the_cpu_kernels_build_enters_the_namespace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engines on an AVX-512 and on an AVX2 CPU sharing one cache folder keep their snapshots
+    apart (the two builds' bf16 products need not have the same bits); a GPU bundle's do not
+    depend on the host's CPU."""
+    from dataclasses import replace
+
+    from keepwarm.kernels import cpu_linear
+    from keepwarm.kernels.ops import TORCH_OPS, kernel_sources_digest, kernels_id
+
+    cpu = replace(TORCH_OPS, name="cpu_invariant")
+    digest = kernel_sources_digest()
+    monkeypatch.setattr(
+        cpu_linear, "cpu_flags", lambda: frozenset({*cpu_linear.REQUIRED_FLAGS, *cpu_linear.AVX2_FLAGS})
+    )
+    monkeypatch.delenv(cpu_linear.ISA_ENV, raising=False)
+    assert kernels_id(cpu) == f"cpu_invariant[avx512_bf16]:{digest}"
+    monkeypatch.setenv(cpu_linear.ISA_ENV, "avx2")
+    assert kernels_id(cpu) == f"cpu_invariant[avx2]:{digest}"
+    monkeypatch.setattr(cpu_linear, "cpu_flags", frozenset)
+    assert kernels_id(cpu) == f"cpu_invariant[None]:{digest}"
+    assert kernels_id(replace(TORCH_OPS, name="triton_invariant")) == f"triton_invariant:{digest}"
