@@ -71,17 +71,26 @@ class Pick:
     top_logprobs: tuple[tuple[int, float], ...] = ()  # the most likely tokens, best first
 
 
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: a bijection of 64-bit integers that spreads every input bit."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 % (1 << 64)
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB % (1 << 64)
+    return x ^ (x >> 31)
+
+
 class Sampler:
-    """Picks the next token from logits [vocab] float32; one per sequence (owns its RNG:
-    seeded runs repeat exactly whatever else the engine runs). Choice `i` of an n > 1
-    request draws from its own generator, seeded from (seed, i)."""
+    """Picks the next token from logits [vocab] float32; one per sequence. The draw for reply
+    token `i` depends only on (seed, choice, i): its generator is seeded from those three for
+    that token, so a seeded reply is the same whatever else the engine runs, however its steps
+    are cut and in whatever order its positions are sampled (a verified draft samples several
+    at once). Choice `i` of an n > 1 request draws from its own stream."""
 
     def __init__(self, params: SamplingParams, rules: LogitsRules | None = None, choice: int = 0) -> None:
         self.params = params
         self.rules = rules or LogitsRules()
         self.generator = torch.Generator()
         seed = params.seed if params.seed is not None else torch.seed()
-        self.generator.manual_seed((seed + 0x9E3779B97F4A7C15 * choice) % (1 << 64))
+        self.stream = _mix64((seed + 0x9E3779B97F4A7C15 * choice) % (1 << 64))
 
     def __call__(
         self,
@@ -90,8 +99,9 @@ class Sampler:
         reply: Sequence[int] = (),
         allowed: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> Pick:
-        """`prompt`, `reply`: the sequence's tokens so far (for penalties); `allowed` masks
-        disallowed tokens to -inf in place (constrained decoding)."""
+        """`prompt`, `reply`: the sequence's tokens so far (for penalties; the reply's length is
+        the position drawn for); `allowed` masks disallowed tokens to -inf in place
+        (constrained decoding)."""
         r = self.rules
         raw = logits.float()
         x = raw.cpu().clone() if (r.changes_logits or allowed is not None) else raw
@@ -99,7 +109,7 @@ class Sampler:
             x = self._apply_rules(x, prompt, reply)
         if allowed is not None:
             allowed(x)
-        tok = self._pick(x)
+        tok = self._pick(x, len(reply))
         if not r.logprobs:
             return Pick(tok)
         lp = torch.log_softmax(raw, dim=-1)
@@ -124,7 +134,7 @@ class Sampler:
                 x[token] += bias
         return x
 
-    def _pick(self, x: torch.Tensor) -> int:
+    def _pick(self, x: torch.Tensor, position: int) -> int:
         p = self.params
         if p.temperature < _TINY:  # 0, or so small that x / T would overflow: the limit is greedy
             return int(torch.argmax(x))
@@ -140,4 +150,5 @@ class Sampler:
             drop = cum - sorted_probs > p.top_p  # keep the smallest set whose mass reaches top_p
             sorted_probs = sorted_probs.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(0, idx, sorted_probs)
+        self.generator.manual_seed(_mix64((self.stream + 0x9E3779B97F4A7C15 * (position + 1)) % (1 << 64)))
         return int(torch.multinomial(probs, 1, generator=self.generator))

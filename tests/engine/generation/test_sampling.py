@@ -16,8 +16,8 @@ def test_seed_reproduces_and_top_k_restricts() -> None:
     p = SamplingParams(temperature=1.0, seed=7, top_k=3)
     a = [Sampler(p)(logits).token for _ in range(5)]
     s1, s2 = Sampler(p), Sampler(p)
-    seq1 = [s1(logits).token for _ in range(20)]
-    seq2 = [s2(logits).token for _ in range(20)]
+    seq1 = [s1(logits, reply=range(i)).token for i in range(20)]
+    seq2 = [s2(logits, reply=range(i)).token for i in range(20)]
     assert seq1 == seq2
     top3 = set(torch.topk(logits, 3).indices.tolist())
     assert set(seq1) <= top3 and set(a) <= top3
@@ -26,7 +26,7 @@ def test_seed_reproduces_and_top_k_restricts() -> None:
 def test_top_p_keeps_smallest_nucleus() -> None:
     logits = torch.log(torch.tensor([0.6, 0.3, 0.05, 0.05]))
     s = Sampler(SamplingParams(temperature=1.0, top_p=0.8, seed=1))
-    seen = {s(logits).token for _ in range(200)}
+    seen = {s(logits, reply=range(i)).token for i in range(200)}
     assert seen == {0, 1}
 
 
@@ -74,8 +74,27 @@ def test_logprobs_come_from_the_unmodified_logits() -> None:
 def test_choices_draw_from_their_own_seeded_generators() -> None:
     logits = torch.zeros(1000)
     p = SamplingParams(temperature=1.0, seed=5)
-    runs = [[Sampler(p, choice=c)(logits).token for _ in range(8)] for c in (0, 1, 2, 1)]
+    runs = [[Sampler(p, choice=c)(logits, reply=range(i)).token for i in range(8)] for c in (0, 1, 2, 1)]
     assert runs[1] == runs[3] and runs[0] != runs[1] and runs[1] != runs[2]
+
+
+def test_a_draw_depends_only_on_seed_choice_and_position() -> None:
+    """What makes a seeded reply the same with and without speculative decoding: the token drawn
+    for reply position i is a function of (seed, choice, i), whatever was drawn before, in
+    whatever order positions are sampled, by whichever sampler object."""
+    logits = torch.zeros(1000)
+    p = SamplingParams(temperature=1.0, seed=11)
+    forward = [Sampler(p)(logits, reply=range(i)).token for i in range(12)]
+    s = Sampler(p)
+    backward = {i: s(logits, reply=range(i)).token for i in reversed(range(12))}
+    assert [backward[i] for i in range(12)] == forward
+    again = Sampler(p)
+    assert [again(logits, reply=range(5)).token for _ in range(3)] == [forward[5]] * 3  # no hidden state
+    assert len(set(forward)) >= 10  # positions draw differently (12 draws over 1,000 tokens)
+    other = [
+        Sampler(SamplingParams(temperature=1.0, seed=12))(logits, reply=range(i)).token for i in range(12)
+    ]
+    assert other != forward
 
 
 @pytest.mark.parametrize("temperature", [6.5e-297, 1e-40, 1e-30, 1e-6])
