@@ -149,7 +149,7 @@ class Engine:
                 min_free_bytes=cfg.min_free_disk,
                 queue_size=cfg.writer_queue,
                 queue_bytes=cfg.writer_queue_bytes,
-                writer_nice=cfg.writer_nice,
+                writer_nice=cfg.disk_writer_nice,
                 fsync=cfg.fsync,
                 index=cfg.cache_index,
                 index_url=cfg.cache_index_url or None,

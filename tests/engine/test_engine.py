@@ -201,7 +201,24 @@ def test_writer_nice_is_refused_off_linux(tiny_dense_model: Path, monkeypatch: p
     monkeypatch.setattr(sys, "platform", "darwin")
     with pytest.raises(ConfigError, match="--writer-nice needs Linux .* leave it 0 on darwin"):
         _cfg(tiny_dense_model, None, writer_nice=5)
-    assert _cfg(tiny_dense_model, None).writer_nice == 0
+    cfg = _cfg(tiny_dense_model, None)
+    assert cfg.writer_nice is None and cfg.disk_writer_nice == 0  # auto: 0 off Linux, no error
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice values are Linux's")
+def test_the_writer_runs_at_nice_19_by_default_on_linux(tiny_dense_model: Path, tmp_path: Path) -> None:
+    """The disk writer's copies and hashes must not take cores from the model's threads mid-step."""
+    engine = Engine(_cfg(tiny_dense_model, tmp_path / "c"))
+    try:
+        disk = engine.cache.disk
+        assert disk is not None and disk.writer_nice == 19
+        engine.complete(_req([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hello"}]))
+        engine.flush()
+        (writer,) = [t for t in threading.enumerate() if t.name.startswith("disk-cache-")]
+        stat = Path(f"/proc/self/task/{writer.native_id}/stat").read_text()
+        assert int(stat[stat.rindex(")") + 2 :].split()[16]) == 19
+    finally:
+        engine.close()
 
 
 def test_exact_hit_starts_from_stored_logits(tiny_dense_model: Path, tmp_path: Path) -> None:
