@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -89,7 +90,9 @@ class Sampler:
         self.params = params
         self.rules = rules or LogitsRules()
         self.generator = torch.Generator()
-        seed = params.seed if params.seed is not None else torch.seed()
+        # unseeded: 64 random bits (torch.seed() would also reseed torch's global generators, and
+        # it formats a stack trace on every call)
+        seed = params.seed if params.seed is not None else secrets.randbits(64)
         self.stream = _mix64((seed + 0x9E3779B97F4A7C15 * choice) % (1 << 64))
 
     def __call__(
