@@ -309,7 +309,9 @@ def create_app(models: ModelSet, cfg: EngineConfig) -> Litestar:
         ):  # litestar's own (404, 405, 413 ...)
             detail = getattr(exc, "detail", "") or str(exc)
             if status == 413:
-                detail = "request body exceeds the engine's limit of 32 MiB; send less"
+                detail = (
+                    f"request body exceeds the engine's limit of {wire.MAX_BODY_BYTES >> 20} MiB; send less"
+                )
             elif status == 404:
                 detail = f"no route for {req.method} {req.url.path}; see /schema for the routes"
             elif status == 405:
@@ -651,7 +653,7 @@ def create_app(models: ModelSet, cfg: EngineConfig) -> Litestar:
         before_request=only_the_gateway,
         exception_handlers={Exception: on_error},
         on_shutdown=[shutdown],
-        request_max_body_size=32 * 1024 * 1024,
+        request_max_body_size=wire.MAX_BODY_BYTES,
         openapi_config=OpenAPIConfig(title="keepwarm engine", version="0.1.0", path="/schema"),
         plugins=[wire.ClosedStructSchema()],
     )

@@ -28,6 +28,7 @@ from msgspec import UNSET, Meta, Struct, UnsetType
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_BODY_BYTES = 32 * 1024 * 1024  # the engine's one request-body limit (a 413 beyond)
 
 # OpenAI request fields keepwarm does not implement: a 400 says so instead of "unknown field".
 UNSUPPORTED = {
