@@ -533,7 +533,7 @@ class Gateway:
             # the client gets an error event in the stream instead of [DONE].
             log.warning("engine %s failed mid-stream: %s", turn.engine, e)
             err = ApiError(502, f"engine failed mid-stream ({type(e).__name__}); retry the request").body()
-            yield b"data: " + json.dumps(err).encode() + b"\n\n"
+            yield b"data: " + wire.encode(err) + b"\n\n"
         finally:
             ticket.close()
             # Shielded: after a client disconnect this frame runs inside a cancelled scope.

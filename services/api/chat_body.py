@@ -9,7 +9,8 @@ ApiError naming the field or the limit:
     (400; a 100,000-deep body is refused without recursing that deep);
   - `messages` a non-empty list of objects with a string `role`, at most
     `max_messages` of them (413, KEEPWARM_MAX_MESSAGES);
-  - every numeric field the API defines within its range (400 naming the field),
+  - every numeric field the API defines within its range (400 naming the field; the ranges
+    are the engine's, declared once in keepwarm.engine.generation.field_ranges),
     and every other number anywhere in the body a 64-bit integer or a finite float,
     so no value reaches an engine that it cannot hold (a seed >= 2^64 used to fail
     only after the prefill had run).
@@ -22,64 +23,20 @@ body with `wire.decode` (a WireError naming the field; the app renders it as a
 from __future__ import annotations
 
 import json
-import math
 import re
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from keepwarm.api.errors import ApiError
+from keepwarm.engine.generation.field_ranges import I64_MIN, PREFIX_CACHE_RANGES, RANGES, Range
 from keepwarm.engine.serving import wire
 
 MAX_JSON_DEPTH = 64  # a chat body needs ~6 levels; tool schemas a few more
-_I32 = 2**31 - 1
-_I64_MIN, _I64_MAX, _U64_MAX = -(2**63), 2**63 - 1, 2**64 - 1
+_U64_MAX = 2**64 - 1
 _LONG_DIGITS = re.compile(rb"[0-9]{20}")
 
 
-@dataclass(frozen=True)
-class Range:
-    """An inclusive (or open-below) range for one numeric field."""
-
-    low: float
-    high: float
-    integer: bool
-    low_open: bool = False
-
-    def describe(self) -> str:
-        kind = "an integer" if self.integer else "a number"
-        return f"{kind} in {'(' if self.low_open else '['}{_fmt(self.low)}, {_fmt(self.high)}]"
-
-    def holds(self, v: Any) -> bool:
-        if (
-            isinstance(v, bool)
-            or not isinstance(v, (int, float))
-            or (self.integer and not isinstance(v, int))
-        ):
-            return False
-        if isinstance(v, float) and not math.isfinite(v):
-            return False
-        return (self.low < v if self.low_open else self.low <= v) and v <= self.high
-
-
-def _fmt(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else str(x)
-
-
-# The numeric fields of the Chat Completions request (plus keepwarm's), with the
-# widest range an engine honours; an engine may refuse more (max_tokens beyond its limit).
-FIELD_RANGES: dict[str, Range] = {
-    "max_tokens": Range(1, _I32, integer=True),
-    "max_completion_tokens": Range(1, _I32, integer=True),
-    "temperature": Range(0, 100, integer=False),
-    "top_p": Range(0, 1, integer=False, low_open=True),
-    "top_k": Range(0, _I32, integer=True),
-    "seed": Range(_I64_MIN, _I64_MAX, integer=True),
-    "n": Range(1, 128, integer=True),
-    "presence_penalty": Range(-2, 2, integer=False),
-    "frequency_penalty": Range(-2, 2, integer=False),
-    "top_logprobs": Range(0, 20, integer=True),
-}
-PREFIX_CACHE_RANGES: dict[str, Range] = {"window": Range(0, _I32, integer=True)}
+# The gateway checks every top-level range the engine's models declare (field_ranges.RANGES).
+FIELD_RANGES: dict[str, Range] = RANGES
 
 
 def _refuse_constant(name: str) -> Any:
@@ -110,7 +67,7 @@ def _check_integers(body: Any) -> None:
             stack.extend((v, f"{path}.{k}".lstrip(".")) for k, v in node.items())
         elif isinstance(node, list):
             stack.extend((v, f"{path}[{i}]") for i, v in enumerate(node))
-        elif isinstance(node, int) and not isinstance(node, bool) and not _I64_MIN <= node <= _U64_MAX:
+        elif isinstance(node, int) and not isinstance(node, bool) and not I64_MIN <= node <= _U64_MAX:
             raise ApiError(400, f"'{path}' is {node}: numbers must fit in 64 bits", param=path or None)
 
 

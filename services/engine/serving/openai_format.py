@@ -99,8 +99,6 @@ def _max_tokens(value: int | None, param: str, limit: int, default: int) -> int:
 def _sampling(body: wire.SamplingFields, max_tokens: int) -> SamplingParams:
     stop = body.stop
     stops = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
-    if body.top_p is not None and not 0.0 < body.top_p <= 1.0:
-        raise RequestError(f"top_p must be in (0, 1], got {body.top_p}", param="top_p")
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -113,7 +111,7 @@ def _sampling(body: wire.SamplingFields, max_tokens: int) -> SamplingParams:
             ignore_eos=body.ignore_eos,
         )
     except SamplingError as e:
-        raise RequestError(str(e), param=str(e).split(" ", 1)[0]) from e
+        raise RequestError(str(e), param=e.param) from e
 
 
 def _cache_fields(
@@ -635,15 +633,3 @@ def text_completion_chunk(
             keepwarm=keepwarm_info(ev, namespace) if ev is not None else wire.UNSET,
         )
     )
-
-
-def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
-    kind = {
-        400: "invalid_request_error",
-        401: "authentication_error",
-        404: "not_found_error",
-        413: "invalid_request_error",
-        429: "rate_limit_error",
-        503: "service_unavailable",
-    }.get(status, "server_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}

@@ -26,8 +26,16 @@ from litestar.plugins import OpenAPISchemaPlugin
 from litestar.typing import FieldDefinition
 from msgspec import UNSET, Meta, Struct, UnsetType
 
+from keepwarm.engine.generation.field_ranges import (
+    COMPLETION_LOGPROBS,
+    LOGIT_BIAS,
+    MAX_STOP,
+    PREFIX_CACHE_RANGES,
+    RANGES,
+    TOKEN_ID,
+)
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_BODY_BYTES = 32 * 1024 * 1024  # the engine's one request-body limit (a 413 beyond)
 
 # OpenAI request fields keepwarm does not implement: a 400 says so instead of "unknown field".
@@ -59,9 +67,13 @@ _CHOICES = {
 }
 
 Name = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
-Int64 = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
-TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
-NonNegInt = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+TokenId = Annotated[int, Meta(**TOKEN_ID.bounds())]
+NonNegInt = TokenId
+
+
+def _in(name: str) -> Meta:
+    """The msgspec constraint of the field `name` (field_ranges.RANGES)."""
+    return Meta(**RANGES[name].bounds())
 
 
 class WireError(ValueError):
@@ -181,7 +193,7 @@ class PrefixCacheOptions(Struct, forbid_unknown_fields=True):
     (docs/architecture.md, 'Cache policies')."""
 
     scope: str | int | None = None
-    window: int | None = None
+    window: Annotated[int, Meta(**PREFIX_CACHE_RANGES["window"].bounds())] | None = None
 
 
 class SessionHintBody(Struct, forbid_unknown_fields=True):
@@ -191,7 +203,7 @@ class SessionHintBody(Struct, forbid_unknown_fields=True):
     tokens: NonNegInt
 
 
-Stop = str | Annotated[list[str], Meta(max_length=16)] | None
+Stop = str | Annotated[list[str], Meta(max_length=MAX_STOP)] | None
 
 
 class SamplingFields(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -200,19 +212,19 @@ class SamplingFields(Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: Annotated[int, Meta(ge=1)] | None = None
-    temperature: Annotated[float, Meta(ge=0)] | None = None
-    top_p: float | None = None
-    top_k: Annotated[int, Meta(ge=0)] | None = None  # extension
-    n: Annotated[int, Meta(ge=1, le=128)] | None = None
-    seed: Int64 | None = None
+    max_tokens: Annotated[int, _in("max_tokens")] | None = None
+    temperature: Annotated[float, _in("temperature")] | None = None
+    top_p: Annotated[float, _in("top_p")] | None = None
+    top_k: Annotated[int, _in("top_k")] | None = None  # extension
+    n: Annotated[int, _in("n")] | None = None
+    seed: Annotated[int, _in("seed")] | None = None
     stop: Stop = None
     stop_token_ids: list[TokenId] | None = None  # extension (vLLM)
     ignore_eos: bool = False  # extension
-    presence_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
-    frequency_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0, le=10)] | None = None  # extension (vLLM)
-    logit_bias: dict[str, Annotated[float, Meta(ge=-100, le=100)]] | None = None
+    presence_penalty: Annotated[float, _in("presence_penalty")] | None = None
+    frequency_penalty: Annotated[float, _in("frequency_penalty")] | None = None
+    repetition_penalty: Annotated[float, _in("repetition_penalty")] | None = None  # extension (vLLM)
+    logit_bias: dict[str, Annotated[float, Meta(**LOGIT_BIAS.bounds())]] | None = None
     user: str | None = None
     # keepwarm extensions (docs/architecture.md, 'Wire extensions'); cache_salt and session_hint
     # are honoured from the gateway only
@@ -223,9 +235,9 @@ class SamplingFields(Struct, kw_only=True, forbid_unknown_fields=True):
 
 class ChatCompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
-    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, _in("max_completion_tokens")] | None = None
     logprobs: bool | None = None
-    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[int, _in("top_logprobs")] | None = None
     tools: Annotated[list[Tool], Meta(max_length=128)] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -237,7 +249,7 @@ class CompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True
     """Legacy completions: a raw prompt, text or token ids, no chat template."""
 
     prompt: str | Annotated[list[TokenId], Meta(min_length=1)]
-    logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
+    logprobs: Annotated[int, Meta(**COMPLETION_LOGPROBS.bounds())] | None = None
 
 
 # --- tokenize / detokenize ------------------------------------------------------------------
@@ -301,6 +313,27 @@ class ErrorBody(Struct):
     """Every error either service answers with, its own or passed through."""
 
     error: ErrorDetail
+
+
+# OpenAI-style `type` per HTTP status, for both services; any other status is "api_error".
+ERROR_TYPES: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    502: "api_error",
+    503: "service_unavailable",
+}
+
+
+def error_body(message: str, status: int, param: str | None = None, type_: str | None = None) -> ErrorBody:
+    """The one error envelope: `type` from ERROR_TYPES unless given (an engine's, passed on)."""
+    kind = type_ or ERROR_TYPES.get(status, "api_error")
+    return ErrorBody(error=ErrorDetail(message=message, type=kind, param=param, code=status))
 
 
 _ERROR_WHEN = {
