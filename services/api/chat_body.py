@@ -15,9 +15,9 @@ ApiError naming the field or the limit:
     so no value reaches an engine that it cannot hold (a seed >= 2^64 used to fail
     only after the prefill had run).
 `parse_bounded(raw)` does the same for any other body (no `messages` rules).
-The `*Body` DTO classes run these checks on the raw bytes and then decode the
-body with `wire.decode` (a WireError naming the field; the app renders it as a
-400 in the one error shape); they also document the body in /schema.
+The body is parsed once (msgspec, to plain objects); the `*Body` DTO classes run these checks
+on it and convert it to the typed model with `wire.convert` (a WireError naming the field; the
+app renders it as a 400 in the one error shape); they also document the body in /schema.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from __future__ import annotations
 import json
 import re
 from typing import Any, ClassVar
+
+import msgspec
 
 from keepwarm.api.errors import ApiError
 from keepwarm.engine.generation.field_ranges import I64_MIN, PREFIX_CACHE_RANGES, RANGES, Range
@@ -87,17 +89,30 @@ def _check_ranges(obj: dict[str, Any], ranges: dict[str, Range], prefix: str = "
             raise ApiError(400, f"'{field}' must be {rng.describe()}, got {v!r}", param=field)
 
 
-def _load(raw: bytes, shape: str) -> dict[str, Any]:
+def _load(raw: bytes, shape: str) -> tuple[dict[str, Any], bool]:
+    """The body as a dict, parsed once by msgspec (True); a body msgspec refuses is parsed again
+    by json only to say what is wrong with it as the gateway always has (False: `wire.decode`
+    of the bytes then gives the typed model's own error)."""
     try:
-        body = json.loads(raw, parse_constant=_refuse_constant)
+        body, parsed = msgspec.json.decode(raw), True
+    except RecursionError:
+        raise _too_deep() from None
+    except msgspec.MsgspecError:
+        body, parsed = _diagnosed(raw), False
+    if not isinstance(body, dict):
+        raise ApiError(400, f"request body must be a JSON object{shape}")
+    _check_depth(body)
+    return body, parsed
+
+
+def _diagnosed(raw: bytes) -> Any:
+    """The body as json reads it (NaN and Infinity refused), or the ApiError saying why not."""
+    try:
+        return json.loads(raw, parse_constant=_refuse_constant)
     except RecursionError:
         raise _too_deep() from None
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"request body is not valid JSON ({e}); send a JSON object") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, f"request body must be a JSON object{shape}")
-    _check_depth(body)
-    return body
 
 
 def _check_common(raw: bytes, body: dict[str, Any]) -> None:
@@ -115,16 +130,28 @@ def _check_common(raw: bytes, body: dict[str, Any]) -> None:
         _check_integers(body)
 
 
+Bounded = tuple[dict[str, Any], bool]  # the body parsed, and whether msgspec parsed it (`_load`)
+
+
 def parse_bounded(raw: bytes) -> dict[str, Any]:
     """Any request object (completions, tokenize, ...), or an ApiError naming what is wrong."""
-    body = _load(raw, "")
+    return bounded_body(raw)[0]
+
+
+def bounded_body(raw: bytes) -> Bounded:
+    """`parse_bounded`'s body with its Bounded flag, for `typed_body`."""
+    body, parsed = _load(raw, "")
     _check_common(raw, body)
-    return body
+    return body, parsed
 
 
 def parse_chat_body(raw: bytes, max_messages: int) -> dict[str, Any]:
     """The request object, or an ApiError (400 / 413) naming what is wrong."""
-    body = _load(raw, " with a 'messages' list")
+    return _bounded_chat(raw, max_messages)[0]
+
+
+def _bounded_chat(raw: bytes, max_messages: int) -> Bounded:
+    body, parsed = _load(raw, " with a 'messages' list")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(
@@ -143,7 +170,14 @@ def parse_chat_body(raw: bytes, max_messages: int) -> dict[str, Any]:
                 400, f"messages[{i}] must be an object with a string 'role'", param=f"messages[{i}].role"
             )
     _check_common(raw, body)
-    return body
+    return body, parsed
+
+
+def typed_body(raw: bytes, bounded: Bounded, kind: type[wire.T]) -> wire.T:
+    """The typed model of a bounded body: converted from the one parse, or (a body only json
+    could read) decoded from the bytes for the model's own error."""
+    body, parsed = bounded
+    return wire.convert(body, kind) if parsed else wire.decode(raw, kind)
 
 
 class ChatBody(wire.WireBody[wire.ChatCompletionRequest]):
@@ -153,25 +187,21 @@ class ChatBody(wire.WireBody[wire.ChatCompletionRequest]):
     max_messages: ClassVar[int] = 1_000
 
     def decode_bytes(self, value: bytes) -> Any:
-        parse_chat_body(value, self.max_messages)
-        return super().decode_bytes(value)
+        return typed_body(value, _bounded_chat(value, self.max_messages), self.model_type)
 
 
 class CompletionBody(wire.WireBody[wire.CompletionRequest]):
     """POST /v1/completions: bounded, then typed."""
 
     def decode_bytes(self, value: bytes) -> Any:
-        parse_bounded(value)
-        return super().decode_bytes(value)
+        return typed_body(value, bounded_body(value), self.model_type)
 
 
 class TokenizeBody(wire.WireBody[wire.TokenizeRequest]):
     def decode_bytes(self, value: bytes) -> Any:
-        parse_bounded(value)
-        return super().decode_bytes(value)
+        return typed_body(value, bounded_body(value), self.model_type)
 
 
 class DetokenizeBody(wire.WireBody[wire.DetokenizeRequest]):
     def decode_bytes(self, value: bytes) -> Any:
-        parse_bounded(value)
-        return super().decode_bytes(value)
+        return typed_body(value, bounded_body(value), self.model_type)

@@ -71,8 +71,9 @@ TokenId = Annotated[int, Meta(**TOKEN_ID.bounds())]
 NonNegInt = TokenId
 
 
-def _in(name: str) -> Meta:
-    """The msgspec constraint of the field `name` (field_ranges.RANGES)."""
+def within(name: str) -> Meta:
+    """The msgspec constraint of the field `name` (field_ranges.RANGES); the gateway's other APIs
+    use it for the fields they share with chat completions."""
     return Meta(**RANGES[name].bounds())
 
 
@@ -203,7 +204,8 @@ class SessionHintBody(Struct, forbid_unknown_fields=True):
     tokens: NonNegInt
 
 
-Stop = str | Annotated[list[str], Meta(max_length=MAX_STOP)] | None
+StopList = Annotated[list[str], Meta(max_length=MAX_STOP)]
+Stop = str | StopList | None
 
 
 class SamplingFields(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -212,18 +214,18 @@ class SamplingFields(Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: Annotated[int, _in("max_tokens")] | None = None
-    temperature: Annotated[float, _in("temperature")] | None = None
-    top_p: Annotated[float, _in("top_p")] | None = None
-    top_k: Annotated[int, _in("top_k")] | None = None  # extension
-    n: Annotated[int, _in("n")] | None = None
-    seed: Annotated[int, _in("seed")] | None = None
+    max_tokens: Annotated[int, within("max_tokens")] | None = None
+    temperature: Annotated[float, within("temperature")] | None = None
+    top_p: Annotated[float, within("top_p")] | None = None
+    top_k: Annotated[int, within("top_k")] | None = None  # extension
+    n: Annotated[int, within("n")] | None = None
+    seed: Annotated[int, within("seed")] | None = None
     stop: Stop = None
     stop_token_ids: list[TokenId] | None = None  # extension (vLLM)
     ignore_eos: bool = False  # extension
-    presence_penalty: Annotated[float, _in("presence_penalty")] | None = None
-    frequency_penalty: Annotated[float, _in("frequency_penalty")] | None = None
-    repetition_penalty: Annotated[float, _in("repetition_penalty")] | None = None  # extension (vLLM)
+    presence_penalty: Annotated[float, within("presence_penalty")] | None = None
+    frequency_penalty: Annotated[float, within("frequency_penalty")] | None = None
+    repetition_penalty: Annotated[float, within("repetition_penalty")] | None = None  # extension (vLLM)
     logit_bias: dict[str, Annotated[float, Meta(**LOGIT_BIAS.bounds())]] | None = None
     user: str | None = None
     # keepwarm extensions (docs/architecture.md, 'Wire extensions'); cache_salt and session_hint
@@ -235,9 +237,9 @@ class SamplingFields(Struct, kw_only=True, forbid_unknown_fields=True):
 
 class ChatCompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
-    max_completion_tokens: Annotated[int, _in("max_completion_tokens")] | None = None
+    max_completion_tokens: Annotated[int, within("max_completion_tokens")] | None = None
     logprobs: bool | None = None
-    top_logprobs: Annotated[int, _in("top_logprobs")] | None = None
+    top_logprobs: Annotated[int, within("top_logprobs")] | None = None
     tools: Annotated[list[Tool], Meta(max_length=128)] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -531,6 +533,15 @@ def decode(raw: bytes, kind: type[T]) -> T:
         raise _wire_error(str(e)) from None
     except msgspec.DecodeError as e:
         raise WireError(f"the request body is not valid JSON ({e})") from None
+
+
+def convert(obj: Any, kind: type[T]) -> T:
+    """An already parsed body (plain JSON objects) as a `kind`: the checks and errors of `decode`,
+    without parsing the bytes again."""
+    try:
+        return msgspec.convert(obj, kind)
+    except msgspec.ValidationError as e:
+        raise _wire_error(str(e)) from None
 
 
 def _wire_error(text: str) -> WireError:
