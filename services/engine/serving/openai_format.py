@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from keepwarm.engine.cache.policy import Policy, PolicyError, policy_for_request
 from keepwarm.engine.cache.prefix_cache import SessionHint
 from keepwarm.engine.generation.request import (
@@ -18,6 +20,7 @@ from keepwarm.engine.generation.request import (
     FinishEvent,
     GenerateRequest,
     RequestError,
+    Timings,
     TokenEvent,
 )
 from keepwarm.engine.generation.sampling import SamplingError, SamplingParams
@@ -302,8 +305,6 @@ def _token_id(key: str) -> int:
 
 
 def _plain(s: Any) -> dict[str, Any]:
-    import msgspec
-
     out = msgspec.to_builtins(s)
     assert isinstance(out, dict)
     return out
@@ -411,13 +412,19 @@ class ReplyParser:
         )
 
 
+def wire_timings(t: Timings) -> wire.Timings:
+    """The engine's timings as the wire carries them (Timings.as_dict: rounded, diverged_at only
+    when set)."""
+    return msgspec.convert(t.as_dict(), wire.Timings)
+
+
 def usage(ev: FinishEvent) -> wire.Usage:
     return wire.Usage(
         prompt_tokens=ev.prompt_tokens,
         completion_tokens=ev.completion_tokens,
         total_tokens=ev.prompt_tokens + ev.completion_tokens,
         prompt_tokens_details=wire.PromptTokensDetails(cached_tokens=ev.cached_tokens),
-        timings=ev.timings.as_dict(),
+        timings=wire_timings(ev.timings),
     )
 
 
@@ -457,7 +464,7 @@ def total_usage(finishes: list[FinishEvent]) -> wire.Usage:
         completion_tokens=completion,
         total_tokens=first.prompt_tokens + completion,
         prompt_tokens_details=wire.PromptTokensDetails(cached_tokens=first.cached_tokens),
-        timings=first.timings.as_dict(),
+        timings=wire_timings(first.timings),
     )
 
 

@@ -366,16 +366,33 @@ class PromptTokensDetails(Struct):
     cached_tokens: int
 
 
+class Timings(Struct):
+    """keepwarm's `usage.timings`: where the prompt's state came from and what each phase took
+    (milliseconds, rounded to 0.01); the engine's generation.request.Timings as sent."""
+
+    cache_source: str = "none"  # memory | disk | none
+    restored_tokens: int = 0
+    restore_ms: float = 0.0
+    restore_bytes: int = 0
+    prefill_tokens: int = 0
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+    ttft_ms: float = 0.0
+    prefill_saved_ms: float = 0.0
+    decode_tokens_per_sec: float = 0.0
+    diverged_at: int | UnsetType = UNSET  # where a restored prefix stopped matching the prompt
+
+
 class Usage(Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
-    timings: dict[str, Any]  # keepwarm: cache source, restore / prefill / decode times
+    timings: Timings  # keepwarm: cache source, restore / prefill / decode times
 
 
 class KeepwarmInfo(Struct):
-    """Engine-internal: the gateway reads and strips it."""
+    """Engine-internal: the gateway reads and strips it (the clients' replies never carry it)."""
 
     prefix_key: str | None
     prefix_tokens: int
@@ -435,7 +452,7 @@ class ChatCompletion(Struct):
     model: str
     choices: list[Choice]
     usage: Usage
-    keepwarm: KeepwarmInfo
+    keepwarm: KeepwarmInfo | UnsetType = UNSET  # the engine's; the gateway strips it
     object: str = "chat.completion"
 
 
