@@ -261,8 +261,7 @@ class Gateway:
             await self.pool.probe_all()
             engines = self.pool.candidates(affinity, preferred, model)
         if not engines:
-            self.resolve_model(model)  # its 503 / 404 when the model's engines went away
-            raise self.no_engine()
+            raise self.unavailable(model)
         return engines
 
     def no_engine(self) -> ApiError:
@@ -308,19 +307,31 @@ class Gateway:
         if name in served:
             return name
         if self.pool.known(name):
-            retry = max(1, math.ceil(self.config.health_interval_s))
-            raise ApiError(
-                503,
-                f"no healthy engine serves model {name!r} now; retry later",
-                param="model",
-                headers={"Retry-After": str(retry)},
-            )
+            raise self.model_down(name)
         raise ApiError(
             404,
             f"model {name!r} is not served here; served models: {', '.join(sorted(served))} "
             f"(GET /v1/models; {wire.DEFAULT_MODEL!r} names the only one when just one is served)",
             param="model",
         )
+
+    def model_down(self, name: str) -> ApiError:
+        """The 503 for a model some engine served but no healthy one serves now."""
+        retry = max(1, math.ceil(self.config.health_interval_s))
+        return ApiError(
+            503,
+            f"no healthy engine serves model {name!r} now; retry later",
+            param="model",
+            headers={"Retry-After": str(retry)},
+        )
+
+    def unavailable(self, model: str) -> ApiError:
+        """Why no engine took a request for `model` (resolved once, by `served_model`): the
+        model's own 503 when its engines went away, else the 503 naming every engine's trouble."""
+        served = self.pool.served()
+        if served and model not in served and self.pool.known(model):
+            return self.model_down(model)
+        return self.no_engine()
 
     async def served_model(self, name: str | None) -> str:
         if not self.pool.served():
@@ -401,8 +412,7 @@ class Gateway:
             ]
         if full:
             raise min(full, key=_retry_after)
-        self.resolve_model(model)  # its 503 naming the model when the model's engines are gone
-        raise self.no_engine()
+        raise self.unavailable(model)
 
     async def _until_lost(self, url: str) -> None:
         await self.pool.lost(url).wait()
