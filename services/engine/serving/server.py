@@ -440,8 +440,8 @@ def create_app(models: ModelSet, cfg: EngineConfig) -> Litestar:
                     param="add_special_tokens",
                 )
             chat = parse_chat_request(
-                wire.encode({"messages": body.messages, "tools": body.tools,
-                             "chat_template_kwargs": body.chat_template_kwargs}),
+                wire.ChatCompletionRequest(messages=body.messages, tools=body.tools,
+                                           chat_template_kwargs=body.chat_template_kwargs),
                 cfg.max_tokens_limit, slot.cfg.policy, trusted=False,
             )  # fmt: skip
             req = chat.request
