@@ -12,6 +12,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+import msgspec
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
@@ -40,12 +41,15 @@ class ApiError(Exception):
         self.type = type_ or wire.ERROR_TYPES.get(status, "api_error")
         self.headers: dict[str, str] = dict(headers or {})
 
-    def body(self) -> wire.ErrorBody:
+    def envelope(self) -> wire.ErrorBody:
         return wire.error_body(self.message, self.status, self.param, self.type)
+
+    def body(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self.envelope())  # type: ignore[no-any-return]
 
     def response(self) -> Response[bytes]:
         return Response(
-            content=wire.encode(self.body()),
+            content=wire.encode(self.envelope()),
             status_code=self.status,
             media_type="application/json",
             headers=self.headers,

@@ -53,7 +53,7 @@ def test_the_engines_dataclasses_carry_the_param() -> None:
 def test_one_error_envelope_for_both_services() -> None:
     from keepwarm.api.errors import ApiError
 
-    assert msgspec.to_builtins(ApiError(404, "no such model", param="model").body()) == {
+    assert ApiError(404, "no such model", param="model").body() == {
         "error": {"message": "no such model", "type": "not_found_error", "param": "model", "code": 404}
     }
     assert wire.error_body("x", 500).error.type == wire.ERROR_TYPES[500]
