@@ -537,7 +537,9 @@ class Gateway:
             # Mid-stream failure: bytes already reached the client, so no failover;
             # the client gets an error event in the stream instead of [DONE].
             log.warning("engine %s failed mid-stream: %s", turn.engine, e)
-            err = ApiError(502, f"engine failed mid-stream ({type(e).__name__}); retry the request").envelope()
+            err = ApiError(
+                502, f"engine failed mid-stream ({type(e).__name__}); retry the request"
+            ).envelope()
             yield b"data: " + wire.encode(err) + b"\n\n"
         finally:
             ticket.close()
