@@ -11,7 +11,6 @@ HTTP thread answers and streams while the generation thread is inside a kernel."
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from types import ModuleType
 
@@ -24,6 +23,7 @@ from keepwarm.kernels.cpu_linear import (
     kernel_isa,
     missing_flags,
 )
+from keepwarm.kernels.kernel_settings import kernel_settings
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def load(
 ) -> ModuleType | None:
     """The compiled extension `name` (with the build's suffix) from `source` (compiled with the
     build's flags plus `extra_flags`), or None (with one log line saying why)."""
-    if os.environ.get("KEEPWARM_CPU_KERNELS", "1") == "0":
+    if not kernel_settings().cpu_kernels:
         log.info("%s: disabled by KEEPWARM_CPU_KERNELS=0; using torch", name)
         return None
     flags = cpu_flags()

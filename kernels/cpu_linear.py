@@ -52,7 +52,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -60,6 +59,8 @@ from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
+
+from keepwarm.kernels.kernel_settings import ISA_ENV, PREFILL_FORM_ENV, kernel_settings
 
 log = logging.getLogger(__name__)
 
@@ -93,14 +94,12 @@ ISAS: tuple[Isa, ...] = get_args(Isa)
 ISA_FLAGS: dict[Isa, tuple[str, ...]] = {"avx512_bf16": REQUIRED_FLAGS, "avx2": AVX2_FLAGS}
 ISA_CFLAGS: dict[Isa, tuple[str, ...]] = {"avx512_bf16": CFLAGS, "avx2": AVX2_CFLAGS}
 ISA_SUFFIX: dict[Isa, str] = {"avx512_bf16": "", "avx2": "_avx2"}
-ISA_ENV = "KEEPWARM_CPU_KERNEL_BUILD"
 CSRC = SOURCE.parent
 COMPAT_HEADER = CSRC / "avx512_compat.h"  # the AVX2 build's emulation of the AVX-512 intrinsics
 RAW_HEADER = CSRC / "raw_kernels.h"  # every extension's raw entry points (cpu_decode_step calls them)
 
 PrefillForm = Literal["fma", "dpbf16"]
 PREFILL_FORMS: tuple[PrefillForm, ...] = get_args(PrefillForm)
-PREFILL_FORM_ENV = "KEEPWARM_CPU_PREFILL_FORM"
 MIN_FMA_SPEEDUP = 1.2  # the FMA form's inner loop must be this much faster (it also packs)
 PROBE_VECTORS = 1 << 14  # x 16 lanes of the exactness probe (~15 ms)
 PROBE_SEED = 0x5EED
@@ -123,7 +122,7 @@ def kernel_isa(flags: frozenset[str], forced: str | None = None) -> Isa | None:
     """The build for a CPU with these flags: "avx512_bf16" where it has REQUIRED_FLAGS, else
     "avx2" where it has AVX2_FLAGS, else None (torch). `forced` (default: KEEPWARM_CPU_KERNEL_BUILD,
     "" when unset) picks a build the CPU supports; an unknown or unsupported one is ignored."""
-    forced = os.environ.get(ISA_ENV, "") if forced is None else forced
+    forced = kernel_settings().isa if forced is None else forced
     supported = [isa for isa in ISAS if all(f in flags for f in ISA_FLAGS[isa])]
     for isa in supported:
         if isa == forced:
@@ -238,7 +237,7 @@ def decide_prefill_form(forced: str, probe: PrefillProbe) -> PrefillForm:
 def choose_prefill_form(ext: ModuleType) -> PrefillForm:
     """The bf16 form (prefill, and decode from DECODE_FMA_ROWS rows) for this extension, from
     KEEPWARM_CPU_PREFILL_FORM (read now) and the extension's probe (`decide_prefill_form`)."""
-    forced = os.environ.get(PREFILL_FORM_ENV, "")
+    forced = kernel_settings().prefill_form
     probe = probe_prefill(ext)
     form = decide_prefill_form(forced, probe)
     log.info(
@@ -301,7 +300,7 @@ def load(
     """Build and load the kernel's build for this CPU (`kernel_isa`), and choose its bf16 form
     (`bind`). Without either build's CPU features, or when the build fails, or with KEEPWARM_CPU_LINEAR=0, the result falls back
     to torch (and says why in one log line). Raises only for a bad KEEPWARM_CPU_PREFILL_FORM."""
-    if os.environ.get("KEEPWARM_CPU_LINEAR", "1") == "0":
+    if not kernel_settings().cpu_linear:
         log.info("cpu_linear: disabled by KEEPWARM_CPU_LINEAR=0; using torch F.linear")
         return CpuLinear(None)
     flags = cpu_flags() if flags is None else flags

@@ -28,6 +28,11 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from keepwarm import settings
+from keepwarm.api.config import GatewayConfig
+from keepwarm.engine.config import EngineConfig, default_cache_dir
+from keepwarm.engine.loading.packaged_model import DEFAULT_MODEL
+
 ROOT = Path(__file__).resolve().parent.parent
 # README.md's first example: a system prompt long enough to be cached, so a second call hits.
 EXAMPLE = json.dumps(
@@ -178,10 +183,13 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--model",
-        default=os.environ.get("KEEPWARM_MODEL") or "SmolLM2-135M-Instruct",
-        help="a checkpoint folder, a .gguf file or a packaged model's name (default SmolLM2-135M-Instruct)",
+        default=None,
+        help=f"a checkpoint folder, a .gguf file or a packaged model's name (default KEEPWARM_MODEL, "
+        f"else {DEFAULT_MODEL})",
     )
-    p.add_argument("--dtype", default=os.environ.get("KEEPWARM_DTYPE", "bfloat16"))
+    p.add_argument(
+        "--dtype", default=None, help="the engine's --dtype (default KEEPWARM_DTYPE, else bfloat16)"
+    )
     p.add_argument("--gateway-port", type=int, default=8000)
     p.add_argument("--dashboard-port", type=int, default=8501)
     p.add_argument("--engine-port", type=int, default=8100)
@@ -189,12 +197,17 @@ def main() -> int:
     p.add_argument("--no-dashboard", action="store_true")
     a = p.parse_args()
 
-    cache_home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "keepwarm"
-    state_dir = cache_home / "state"
-    cache_dir = a.cache_dir or Path(os.environ.get("KEEPWARM_CACHE_DIR") or cache_home / "prefix-cache")
+    # The services' own variables, read by their own settings models (keepwarm.settings); the
+    # children inherit the environment, so the stack passes only what it sets itself.
+    engine_env = settings.read(EngineConfig)
+    gateway_env = settings.read(GatewayConfig)
+    models = [str(a.model)] if a.model else [str(m) for m in engine_env.get("models", ())] or [DEFAULT_MODEL]
+    dtype = a.dtype or engine_env.get("dtype") or EngineConfig.dtype
+    cache_dir = a.cache_dir or engine_env.get("cache_dir", default_cache_dir())
+    state_dir = default_cache_dir().parent / "state"
     api_key = state_file(state_dir, "api-key", None)
-    secret = state_file(state_dir, "secret", os.environ.get("KEEPWARM_SECRET"))
-    engine_token = state_file(state_dir, "engine-token", os.environ.get("KEEPWARM_ENGINE_TOKEN"))
+    secret = state_file(state_dir, "secret", gateway_env.get("secret", b"").decode() or None)
+    engine_token = state_file(state_dir, "engine-token", gateway_env.get("engine_token") or None)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     py = sys.executable
     services: list[Service] = []
@@ -225,7 +238,7 @@ def main() -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     t_start = time.monotonic()
     try:
-        redis_url = os.environ.get("REDIS_URL")
+        redis_url = gateway_env.get("redis_url")
         if not redis_url:
             port = free_port(6379)
             data = state_dir / "valkey"
@@ -234,17 +247,17 @@ def main() -> int:
             redis_url = f"redis://127.0.0.1:{port}/0"
 
         ep = free_port(a.engine_port)
-        print(f"starting the engine on {a.model} ({a.dtype}) ...", flush=True)
+        print(f"starting the engine on {', '.join(models)} ({dtype}) ...", flush=True)
         engine = add(
             "engine",
-            [py, "-m", "keepwarm.engine", "serve", "--model", str(a.model), "--port", str(ep),
-             "--dtype", a.dtype, "--cache-dir", str(cache_dir)],
+            [py, "-m", "keepwarm.engine", "serve", *(w for m in models for w in ("--model", m)),
+             "--port", str(ep), "--dtype", dtype, "--cache-dir", str(cache_dir or "off")],
             {"KEEPWARM_ENGINE_TOKEN": engine_token},
         )  # fmt: skip
         wait_http(f"http://127.0.0.1:{ep}/health", engine, 900)
 
         gp = free_port(a.gateway_port)
-        keys = ",".join(filter(None, [os.environ.get("KEEPWARM_API_KEYS"), f"{api_key}:local"]))
+        keys = ",".join(f"{k}:{t}" for k, t in {**gateway_env.get("api_keys", {}), api_key: "local"}.items())
         gateway = add(
             "gateway",
             [py, "-m", "keepwarm.api", "--engine", f"http://127.0.0.1:{ep}", "--redis-url", redis_url,

@@ -7,6 +7,7 @@ one declaration this module builds the argparse flags, reads the environment, co
 the strings (a bad one raises `SettingsError` naming the flag or variable and what to write
 instead), applies flag > environment > default, and renders --help and the README tables.
 
+  - A byte count is a `size_setting`: "4096", "512m", "4g" (binary units), shown the same way.
   - An empty variable counts as unset (compose passes `${X:-}` through as "").
   - A secret is hidden from repr, --help and the tables; it is read from NAME or, when NAME is
     unset, from the file NAME_FILE names (its text, stripped). NAME wins.
@@ -203,6 +204,40 @@ def _parser_for(tp: Any, field: str) -> Callable[[str], Any]:
     if tp in simple:
         return simple[tp]
     raise TypeError(f"setting {field!r} of type {tp!r}: give it a parser (setting(parse=...))")
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '4096', '512m', '4g', '1.5G' (binary units)."""
+    s = str(text).strip().lower().removesuffix("ib").removesuffix("b")
+    mult = 1
+    if s and s[-1] in "kmgt":
+        mult = 1024 ** ("kmgt".index(s[-1]) + 1)
+        s = s[:-1]
+    try:
+        value = float(s)
+    except ValueError:
+        raise SettingsError(
+            f"size {text!r} is not a number with an optional k/m/g/t suffix (4g, 512m)"
+        ) from None
+    if value < 0:
+        raise SettingsError(f"size {text!r} must not be negative")
+    return int(value * mult)
+
+
+def format_size(n: int | None) -> str:
+    """The shortest text parse_size reads back as n: 17179869184 -> '16g'."""
+    if n is None:
+        return "auto"
+    for power, unit in ((4, "t"), (3, "g"), (2, "m"), (1, "k")):
+        if n and n % 1024**power == 0:
+            return f"{n // 1024**power}{unit}"
+    return str(n)
+
+
+def size_setting(default: int, help: str, **names: Any) -> Any:
+    """A byte-count setting: read as `4g`, `512m`, `4096` (parse_size), shown the same way;
+    `names` are setting()'s flag= / env=."""
+    return setting(default, parse=parse_size, show=format_size, help=help, **names)
 
 
 # --- the model's specs ------------------------------------------------------------------------

@@ -218,3 +218,11 @@ def test_readme_tables_are_generated_from_the_models() -> None:
         assert table == settings.markdown_table(model), (
             f"run `python -m keepwarm.settings README.md` ({model})"
         )
+
+
+def test_a_gateway_byte_size_takes_units_like_the_engines() -> None:
+    from keepwarm.api.config import GatewayConfig
+    from keepwarm.settings import read
+
+    assert read(GatewayConfig, None, {"KEEPWARM_MAX_BODY_BYTES": "2m"})["max_body_bytes"] == 2 * 1024**2
+    assert read(GatewayConfig, None, {"KEEPWARM_MAX_BODY_BYTES": "4096"})["max_body_bytes"] == 4096

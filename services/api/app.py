@@ -27,7 +27,9 @@ one SSE line). The one chunk carrying `usage` is parsed on the way: its
 `keepwarm` object (the engine-internal prefix key) is removed, and the session
 and stats are written to Redis *before* that chunk is forwarded, so a client
 that sends its next turn right after `[DONE]` already gets the new hint.
-Non-streaming answers lose their `keepwarm` object the same way. Clients see
+Non-streaming answers lose their `keepwarm` object the same way. The engine's answers are
+decoded into the wire models (wire.ChatCompletion, ChatCompletionChunk, Completion), never
+handled as plain dicts. Clients see
 plain OpenAI objects plus `usage.prompt_tokens_details` and `usage.timings`.
 
 A client that disconnects closes the upstream request, so the engine cancels
@@ -66,7 +68,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
 import time
@@ -260,8 +261,7 @@ class Gateway:
             await self.pool.probe_all()
             engines = self.pool.candidates(affinity, preferred, model)
         if not engines:
-            self.resolve_model(model)  # its 503 / 404 when the model's engines went away
-            raise self.no_engine()
+            raise self.unavailable(model)
         return engines
 
     def no_engine(self) -> ApiError:
@@ -269,26 +269,24 @@ class Gateway:
         retry = max(1, math.ceil(self.config.health_interval_s))
         return ApiError(503, f"no healthy engine, retry later ({down})", headers={"Retry-After": str(retry)})
 
-    async def remember(self, turn: Turn, usage: Any, keepwarm: Any) -> None:
+    async def remember(self, turn: Turn, usage: wire.Usage, keepwarm: wire.KeepwarmInfo | None) -> None:
         """Session, stats and the tenant's cache key for one finished request;
         Redis trouble costs the record, never the answer."""
-        if not isinstance(usage, dict):
-            return
         now = time.time()
         rec = RequestRecord.from_usage(
             usage, ts=now, session=turn.session, tenant=turn.caller.tenant, engine=turn.engine
         )
-        kw = keepwarm if isinstance(keepwarm, dict) else {}
-        key = kw.get("prefix_key") if isinstance(kw.get("prefix_key"), str) else None
-        tokens = kw.get("prefix_tokens") if isinstance(kw.get("prefix_tokens"), int) else 0
+        row = rec.encoded()  # one encoding for the session timeline and the stats list
+        key = keepwarm.prefix_key if keepwarm is not None else None
+        tokens = keepwarm.prefix_tokens if keepwarm is not None else 0
         if turn.session is not None:
             await self.redis_do(
-                self.sessions.record_turn(turn.caller.tenant, turn.session, rec, key, tokens),
+                self.sessions.record_turn(turn.caller.tenant, turn.session, rec, key, tokens, row),
                 "session record",
             )
         if key:
             await self.redis_do(self.tenant_keys.add(turn.caller.tenant, key, now), "cache key record")
-        await self.redis_do(self.stats.record(rec), "stats record")
+        await self.redis_do(self.stats.record(rec, row), "stats record")
 
     def resolve_model(self, name: str | None) -> str:
         """The served model a request's `model` names: itself, or for `default` (or none) the one
@@ -309,19 +307,31 @@ class Gateway:
         if name in served:
             return name
         if self.pool.known(name):
-            retry = max(1, math.ceil(self.config.health_interval_s))
-            raise ApiError(
-                503,
-                f"no healthy engine serves model {name!r} now; retry later",
-                param="model",
-                headers={"Retry-After": str(retry)},
-            )
+            raise self.model_down(name)
         raise ApiError(
             404,
             f"model {name!r} is not served here; served models: {', '.join(sorted(served))} "
             f"(GET /v1/models; {wire.DEFAULT_MODEL!r} names the only one when just one is served)",
             param="model",
         )
+
+    def model_down(self, name: str) -> ApiError:
+        """The 503 for a model some engine served but no healthy one serves now."""
+        retry = max(1, math.ceil(self.config.health_interval_s))
+        return ApiError(
+            503,
+            f"no healthy engine serves model {name!r} now; retry later",
+            param="model",
+            headers={"Retry-After": str(retry)},
+        )
+
+    def unavailable(self, model: str) -> ApiError:
+        """Why no engine took a request for `model` (resolved once, by `served_model`): the
+        model's own 503 when its engines went away, else the 503 naming every engine's trouble."""
+        served = self.pool.served()
+        if served and model not in served and self.pool.known(model):
+            return self.model_down(model)
+        return self.no_engine()
 
     async def served_model(self, name: str | None) -> str:
         if not self.pool.served():
@@ -402,8 +412,7 @@ class Gateway:
             ]
         if full:
             raise min(full, key=_retry_after)
-        self.resolve_model(model)  # its 503 naming the model when the model's engines are gone
-        raise self.no_engine()
+        raise self.unavailable(model)
 
     async def _until_lost(self, url: str) -> None:
         await self.pool.lost(url).wait()
@@ -473,15 +482,11 @@ class Gateway:
                     await answer
         if answer.cancelled():
             return Response(content=b"", status_code=499)
-        raw = answer.result()
-        try:
-            data = json.loads(raw)
-        except ValueError:
-            raise ApiError(502, f"engine {turn.engine} returned a body that is not JSON") from None
-        if not isinstance(data, dict):
-            raise ApiError(502, f"engine {turn.engine} returned JSON that is not an object")
-        await self.remember(turn, data.get("usage"), data.pop("keepwarm", None))
-        return Response(content=json.dumps(data).encode(), media_type="application/json")
+        reply = _engine_reply(turn, answer.result())
+        if reply.usage is not None and not isinstance(reply.usage, msgspec.UnsetType):
+            await self.remember(turn, reply.usage, _keepwarm(reply.keepwarm))
+        reply = msgspec.structs.replace(reply, keepwarm=msgspec.UNSET)  # engine-internal
+        return Response(content=wire.encode(reply), media_type="application/json")
 
     async def _stream(self, turn: Turn, payload: bytes, ticket: Ticket) -> Response[Any]:
         opening = asyncio.create_task(self._open(turn, payload))
@@ -532,8 +537,10 @@ class Gateway:
             # Mid-stream failure: bytes already reached the client, so no failover;
             # the client gets an error event in the stream instead of [DONE].
             log.warning("engine %s failed mid-stream: %s", turn.engine, e)
-            err = ApiError(502, f"engine failed mid-stream ({type(e).__name__}); retry the request").body()
-            yield b"data: " + json.dumps(err).encode() + b"\n\n"
+            err = ApiError(
+                502, f"engine failed mid-stream ({type(e).__name__}); retry the request"
+            ).envelope()
+            yield b"data: " + wire.encode(err) + b"\n\n"
         finally:
             ticket.close()
             # Shielded: after a client disconnect this frame runs inside a cancelled scope.
@@ -544,16 +551,18 @@ class Gateway:
         """The usage chunk with its `keepwarm` object removed, after recording it;
         None (drop it) when the client did not ask for usage."""
         try:
-            obj = json.loads(line[5:])
-        except ValueError:
+            chunk = wire.decode(line[5:], _CHUNKS[turn.path])
+        except wire.WireError:
             return line
-        if not isinstance(obj, dict) or not isinstance(obj.get("usage"), dict):
+        if not isinstance(chunk.usage, wire.Usage):
             return line
-        keepwarm = obj.pop("keepwarm", None)
-        await self.remember(turn, obj["usage"], keepwarm)
+        keepwarm = _keepwarm(chunk.keepwarm)
+        await self.remember(turn, chunk.usage, keepwarm)
         if not turn.usage_to_client:
             return None
-        return b"data: " + json.dumps(obj).encode() if keepwarm is not None else line
+        if keepwarm is None:
+            return line
+        return b"data: " + wire.encode(msgspec.structs.replace(chunk, keepwarm=msgspec.UNSET))
 
     # -- everything else -------------------------------------------------
 
@@ -662,6 +671,33 @@ class Gateway:
             return await self.breaker.call(coro)
         except RedisError as e:
             raise ApiError(503, f"{what} unavailable: redis is not reachable ({e}); retry later") from None
+
+
+# The engine's answers, typed: a whole reply and a streamed chunk, per generating path.
+_REPLIES: dict[str, type[wire.ChatCompletion] | type[wire.Completion]] = {
+    "/v1/chat/completions": wire.ChatCompletion,
+    "/v1/completions": wire.Completion,
+}
+_CHUNKS: dict[str, type[wire.ChatCompletionChunk] | type[wire.Completion]] = {
+    "/v1/chat/completions": wire.ChatCompletionChunk,
+    "/v1/completions": wire.Completion,
+}
+
+
+def _engine_reply(turn: Turn, raw: bytes) -> wire.ChatCompletion | wire.Completion:
+    """An engine's non-streamed answer as its wire model, or a 502 saying what was wrong."""
+    try:
+        return wire.decode(raw, _REPLIES[turn.path])
+    except wire.WireError as e:
+        if e.param is None and "not valid JSON" in str(e):
+            raise ApiError(502, f"engine {turn.engine} returned a body that is not JSON") from None
+        raise ApiError(
+            502, f"engine {turn.engine} returned a body that does not fit its model: {e}"
+        ) from None
+
+
+def _keepwarm(info: wire.KeepwarmInfo | msgspec.UnsetType) -> wire.KeepwarmInfo | None:
+    return info if isinstance(info, wire.KeepwarmInfo) else None
 
 
 def _shared_stats(stats: dict[str, Any]) -> dict[str, Any]:

@@ -9,77 +9,36 @@ ApiError naming the field or the limit:
     (400; a 100,000-deep body is refused without recursing that deep);
   - `messages` a non-empty list of objects with a string `role`, at most
     `max_messages` of them (413, KEEPWARM_MAX_MESSAGES);
-  - every numeric field the API defines within its range (400 naming the field),
+  - every numeric field the API defines within its range (400 naming the field; the ranges
+    are the engine's, declared once in keepwarm.engine.generation.field_ranges),
     and every other number anywhere in the body a 64-bit integer or a finite float,
     so no value reaches an engine that it cannot hold (a seed >= 2^64 used to fail
     only after the prefill had run).
 `parse_bounded(raw)` does the same for any other body (no `messages` rules).
-The `*Body` DTO classes run these checks on the raw bytes and then decode the
-body with `wire.decode` (a WireError naming the field; the app renders it as a
-400 in the one error shape); they also document the body in /schema.
+The body is parsed once (msgspec, to plain objects); the `*Body` DTO classes run these checks
+on it and convert it to the typed model with `wire.convert` (a WireError naming the field; the
+app renders it as a 400 in the one error shape); they also document the body in /schema.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import re
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import msgspec
+
 from keepwarm.api.errors import ApiError
+from keepwarm.engine.generation.field_ranges import I64_MIN, PREFIX_CACHE_RANGES, RANGES, Range
 from keepwarm.engine.serving import wire
 
 MAX_JSON_DEPTH = 64  # a chat body needs ~6 levels; tool schemas a few more
-_I32 = 2**31 - 1
-_I64_MIN, _I64_MAX, _U64_MAX = -(2**63), 2**63 - 1, 2**64 - 1
+_U64_MAX = 2**64 - 1
 _LONG_DIGITS = re.compile(rb"[0-9]{20}")
 
 
-@dataclass(frozen=True)
-class Range:
-    """An inclusive (or open-below) range for one numeric field."""
-
-    low: float
-    high: float
-    integer: bool
-    low_open: bool = False
-
-    def describe(self) -> str:
-        kind = "an integer" if self.integer else "a number"
-        return f"{kind} in {'(' if self.low_open else '['}{_fmt(self.low)}, {_fmt(self.high)}]"
-
-    def holds(self, v: Any) -> bool:
-        if (
-            isinstance(v, bool)
-            or not isinstance(v, (int, float))
-            or (self.integer and not isinstance(v, int))
-        ):
-            return False
-        if isinstance(v, float) and not math.isfinite(v):
-            return False
-        return (self.low < v if self.low_open else self.low <= v) and v <= self.high
-
-
-def _fmt(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else str(x)
-
-
-# The numeric fields of the Chat Completions request (plus keepwarm's), with the
-# widest range an engine honours; an engine may refuse more (max_tokens beyond its limit).
-FIELD_RANGES: dict[str, Range] = {
-    "max_tokens": Range(1, _I32, integer=True),
-    "max_completion_tokens": Range(1, _I32, integer=True),
-    "temperature": Range(0, 100, integer=False),
-    "top_p": Range(0, 1, integer=False, low_open=True),
-    "top_k": Range(0, _I32, integer=True),
-    "seed": Range(_I64_MIN, _I64_MAX, integer=True),
-    "n": Range(1, 128, integer=True),
-    "presence_penalty": Range(-2, 2, integer=False),
-    "frequency_penalty": Range(-2, 2, integer=False),
-    "top_logprobs": Range(0, 20, integer=True),
-}
-PREFIX_CACHE_RANGES: dict[str, Range] = {"window": Range(0, _I32, integer=True)}
+# The gateway checks every top-level range the engine's models declare (field_ranges.RANGES).
+FIELD_RANGES: dict[str, Range] = RANGES
 
 
 def _refuse_constant(name: str) -> Any:
@@ -110,7 +69,7 @@ def _check_integers(body: Any) -> None:
             stack.extend((v, f"{path}.{k}".lstrip(".")) for k, v in node.items())
         elif isinstance(node, list):
             stack.extend((v, f"{path}[{i}]") for i, v in enumerate(node))
-        elif isinstance(node, int) and not isinstance(node, bool) and not _I64_MIN <= node <= _U64_MAX:
+        elif isinstance(node, int) and not isinstance(node, bool) and not I64_MIN <= node <= _U64_MAX:
             raise ApiError(400, f"'{path}' is {node}: numbers must fit in 64 bits", param=path or None)
 
 
@@ -130,17 +89,30 @@ def _check_ranges(obj: dict[str, Any], ranges: dict[str, Range], prefix: str = "
             raise ApiError(400, f"'{field}' must be {rng.describe()}, got {v!r}", param=field)
 
 
-def _load(raw: bytes, shape: str) -> dict[str, Any]:
+def _load(raw: bytes, shape: str) -> tuple[dict[str, Any], bool]:
+    """The body as a dict, parsed once by msgspec (True); a body msgspec refuses is parsed again
+    by json only to say what is wrong with it as the gateway always has (False: `wire.decode`
+    of the bytes then gives the typed model's own error)."""
     try:
-        body = json.loads(raw, parse_constant=_refuse_constant)
+        body, parsed = msgspec.json.decode(raw), True
+    except RecursionError:
+        raise _too_deep() from None
+    except msgspec.MsgspecError:
+        body, parsed = _diagnosed(raw), False
+    if not isinstance(body, dict):
+        raise ApiError(400, f"request body must be a JSON object{shape}")
+    _check_depth(body)
+    return body, parsed
+
+
+def _diagnosed(raw: bytes) -> Any:
+    """The body as json reads it (NaN and Infinity refused), or the ApiError saying why not."""
+    try:
+        return json.loads(raw, parse_constant=_refuse_constant)
     except RecursionError:
         raise _too_deep() from None
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"request body is not valid JSON ({e}); send a JSON object") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, f"request body must be a JSON object{shape}")
-    _check_depth(body)
-    return body
 
 
 def _check_common(raw: bytes, body: dict[str, Any]) -> None:
@@ -158,16 +130,28 @@ def _check_common(raw: bytes, body: dict[str, Any]) -> None:
         _check_integers(body)
 
 
+Bounded = tuple[dict[str, Any], bool]  # the body parsed, and whether msgspec parsed it (`_load`)
+
+
 def parse_bounded(raw: bytes) -> dict[str, Any]:
     """Any request object (completions, tokenize, ...), or an ApiError naming what is wrong."""
-    body = _load(raw, "")
+    return bounded_body(raw)[0]
+
+
+def bounded_body(raw: bytes) -> Bounded:
+    """`parse_bounded`'s body with its Bounded flag, for `typed_body`."""
+    body, parsed = _load(raw, "")
     _check_common(raw, body)
-    return body
+    return body, parsed
 
 
 def parse_chat_body(raw: bytes, max_messages: int) -> dict[str, Any]:
     """The request object, or an ApiError (400 / 413) naming what is wrong."""
-    body = _load(raw, " with a 'messages' list")
+    return _bounded_chat(raw, max_messages)[0]
+
+
+def _bounded_chat(raw: bytes, max_messages: int) -> Bounded:
+    body, parsed = _load(raw, " with a 'messages' list")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(
@@ -186,7 +170,14 @@ def parse_chat_body(raw: bytes, max_messages: int) -> dict[str, Any]:
                 400, f"messages[{i}] must be an object with a string 'role'", param=f"messages[{i}].role"
             )
     _check_common(raw, body)
-    return body
+    return body, parsed
+
+
+def typed_body(raw: bytes, bounded: Bounded, kind: type[wire.T]) -> wire.T:
+    """The typed model of a bounded body: converted from the one parse, or (a body only json
+    could read) decoded from the bytes for the model's own error."""
+    body, parsed = bounded
+    return wire.convert(body, kind) if parsed else wire.decode(raw, kind)
 
 
 class ChatBody(wire.WireBody[wire.ChatCompletionRequest]):
@@ -196,25 +187,21 @@ class ChatBody(wire.WireBody[wire.ChatCompletionRequest]):
     max_messages: ClassVar[int] = 1_000
 
     def decode_bytes(self, value: bytes) -> Any:
-        parse_chat_body(value, self.max_messages)
-        return super().decode_bytes(value)
+        return typed_body(value, _bounded_chat(value, self.max_messages), self.model_type)
 
 
 class CompletionBody(wire.WireBody[wire.CompletionRequest]):
     """POST /v1/completions: bounded, then typed."""
 
     def decode_bytes(self, value: bytes) -> Any:
-        parse_bounded(value)
-        return super().decode_bytes(value)
+        return typed_body(value, bounded_body(value), self.model_type)
 
 
 class TokenizeBody(wire.WireBody[wire.TokenizeRequest]):
     def decode_bytes(self, value: bytes) -> Any:
-        parse_bounded(value)
-        return super().decode_bytes(value)
+        return typed_body(value, bounded_body(value), self.model_type)
 
 
 class DetokenizeBody(wire.WireBody[wire.DetokenizeRequest]):
     def decode_bytes(self, value: bytes) -> Any:
-        parse_bounded(value)
-        return super().decode_bytes(value)
+        return typed_body(value, bounded_body(value), self.model_type)

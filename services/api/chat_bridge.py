@@ -24,7 +24,7 @@ from litestar import Request, Response
 from litestar.background_tasks import BackgroundTask, BackgroundTasks
 from litestar.response import Stream
 
-from keepwarm.api.chat_body import parse_bounded
+from keepwarm.api.chat_body import Bounded, bounded_body, typed_body
 from keepwarm.api.errors import ApiError
 from keepwarm.engine.serving import wire
 
@@ -40,13 +40,19 @@ def decode_body(raw: bytes, kind: type[T], known: frozenset[str], refused: Mappi
     checked against this API's (`refused`: fields of the API keepwarm does not implement, each
     with the reason; anything else not `known` is an unknown field), then decoded into `kind`
     (a WireError naming the field for the rest)."""
-    body = parse_bounded(raw)
-    for name in body:
+    return decode_bounded(raw, bounded_body(raw), kind, known, refused)
+
+
+def decode_bounded(
+    raw: bytes, bounded: Bounded, kind: type[T], known: frozenset[str], refused: Mapping[str, str]
+) -> T:
+    """`decode_body` of a body already bounded (and parsed once) by `bounded_body`."""
+    for name in bounded[0]:
         if name in refused:
             raise ApiError(400, f"{name}: {refused[name]}; remove it", param=name)
         if name not in known:
             raise ApiError(400, f"unknown field {name!r}: keepwarm does not accept it; remove it", param=name)
-    return wire.decode(raw, kind)
+    return typed_body(raw, bounded, kind)
 
 
 def arguments_of(call: Mapping[str, Any]) -> str:

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from keepwarm.api.engines import EngineSourceError, parse_engine
-from keepwarm.settings import SettingsError, add_arguments, internal, load, parse_list, setting
+from keepwarm.settings import SettingsError, add_arguments, internal, load, parse_list, setting, size_setting
 
 TENANT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
@@ -98,10 +98,10 @@ class GatewayConfig:
     rate_window_s: int = setting(
         60, flag="--rate-window", env=("KEEPWARM_RATE_WINDOW",), help="rate limit window, seconds"
     )
-    max_body_bytes: int = setting(
+    max_body_bytes: int = size_setting(
         1024 * 1024,
         env=("KEEPWARM_MAX_BODY_BYTES",),
-        help="largest accepted request body, bytes (413 beyond)",
+        help="largest accepted request body, bytes (`1m`, `1048576`; 413 beyond)",
     )
     session_ttl_s: int = setting(
         7 * 24 * 3600,

@@ -1,8 +1,8 @@
 """The gateway's one error shape and the exception handler that renders it.
 
-Every error the gateway answers with, its own or an engine's passed through, is
-    {"error": {"message": str, "type": str, "param": str | None, "code": int}}
-with `code` equal to the HTTP status. Messages say what the caller should change.
+Every error the gateway answers with, its own or an engine's passed through, is the one
+envelope of wire.error_body (`{"error": {"message", "type", "param", "code"}}`, `code` the
+HTTP status, `type` from wire.ERROR_TYPES). Messages say what the caller should change.
 """
 
 from __future__ import annotations
@@ -12,25 +12,14 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+import msgspec
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
+from keepwarm.engine.serving import wire
 from keepwarm.engine.serving.wire import WireError
 
 log = logging.getLogger("keepwarm.api")
-
-# OpenAI-style `type` per status; anything else is "api_error".
-_TYPES: Mapping[int, str] = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    502: "api_error",
-    503: "service_unavailable",
-}
 
 
 class ApiError(Exception):
@@ -49,17 +38,18 @@ class ApiError(Exception):
         self.status = status
         self.message = message
         self.param = param
-        self.type = type_ or _TYPES.get(status, "api_error")
+        self.type = type_ or wire.ERROR_TYPES.get(status, "api_error")
         self.headers: dict[str, str] = dict(headers or {})
 
+    def envelope(self) -> wire.ErrorBody:
+        return wire.error_body(self.message, self.status, self.param, self.type)
+
     def body(self) -> dict[str, Any]:
-        return {
-            "error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}
-        }
+        return msgspec.to_builtins(self.envelope())  # type: ignore[no-any-return]
 
     def response(self) -> Response[bytes]:
         return Response(
-            content=json.dumps(self.body()).encode(),
+            content=wire.encode(self.envelope()),
             status_code=self.status,
             media_type="application/json",
             headers=self.headers,

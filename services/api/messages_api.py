@@ -170,11 +170,11 @@ class CountTokensRequest(Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class MessagesRequest(CountTokensRequest, kw_only=True, forbid_unknown_fields=True):
-    max_tokens: Annotated[int, Meta(ge=1, le=2**31 - 1)]
-    stop_sequences: Annotated[list[str], Meta(max_length=16)] | None = None
-    temperature: Annotated[float, Meta(ge=0, le=1)] | None = None
-    top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Meta(ge=0, le=2**31 - 1)] | None = None
+    max_tokens: Annotated[int, wire.within("max_tokens")]
+    stop_sequences: wire.StopList | None = None
+    temperature: Annotated[float, Meta(ge=0, le=1)] | None = None  # the Messages API's own range
+    top_p: Annotated[float, wire.within("top_p")] | None = None
+    top_k: Annotated[int, wire.within("top_k")] | None = None
     stream: bool = False
     metadata: Metadata | None = None
     cache_control: CacheControl | None = None  # top level: cache the whole prompt

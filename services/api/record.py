@@ -3,9 +3,14 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
+
+import msgspec
+
+from keepwarm.engine.serving import wire
 
 
 def _num(d: Mapping[str, Any], key: str, kind: type = float) -> Any:
@@ -40,16 +45,29 @@ class RequestRecord:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def encoded(self) -> str:
+        """The record as the JSON text Redis keeps (a session's timeline, the stats' recent list)."""
+        return json.dumps(self.as_dict())
+
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> RequestRecord:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
     @classmethod
     def from_usage(
-        cls, usage: Mapping[str, Any], *, ts: float, session: str | None, tenant: str, engine: str
+        cls,
+        usage: wire.Usage | Mapping[str, Any],
+        *,
+        ts: float,
+        session: str | None,
+        tenant: str,
+        engine: str,
     ) -> RequestRecord:
-        """From an engine `usage` object; missing or mistyped numbers read as 0,
-        a missing cache_source as "none" (the engine is trusted, not required)."""
+        """From an engine `usage` (the typed wire.Usage the gateway decoded, or its plain form);
+        missing or mistyped numbers read as 0, a missing cache_source as "none" (the engine is
+        trusted, not required)."""
+        if isinstance(usage, wire.Usage):
+            usage = msgspec.to_builtins(usage)
         details = usage.get("prompt_tokens_details")
         details = details if isinstance(details, Mapping) else {}
         t = usage.get("timings")

@@ -46,7 +46,7 @@ from msgspec import Meta, Struct
 
 from keepwarm.api import chat_bridge
 from keepwarm.api.auth import Caller
-from keepwarm.api.chat_body import parse_bounded
+from keepwarm.api.chat_body import bounded_body
 from keepwarm.api.errors import ApiError
 from keepwarm.api.sessions import check_session_id
 from keepwarm.engine.serving import wire
@@ -158,10 +158,10 @@ class ResponsesRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
-    max_output_tokens: Annotated[int, Meta(ge=1, le=2**31 - 1)] | None = None
-    temperature: Annotated[float, Meta(ge=0, le=2)] | None = None
-    top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
-    seed: wire.Int64 | None = None
+    max_output_tokens: Annotated[int, wire.within("max_tokens")] | None = None
+    temperature: Annotated[float, Meta(ge=0, le=2)] | None = None  # the Responses API's own range
+    top_p: Annotated[float, wire.within("top_p")] | None = None
+    seed: Annotated[int, wire.within("seed")] | None = None
     stream: bool = False
     store: bool = True
     previous_response_id: Annotated[str, Meta(min_length=1, max_length=128)] | None = None
@@ -176,7 +176,8 @@ class ResponsesBody(wire.WireBody[ResponsesRequest]):
     as `message` (OpenAI's short form `{role, content}`), then decoded."""
 
     def decode_bytes(self, value: bytes) -> Any:
-        body = parse_bounded(value)
+        bounded = bounded_body(value)
+        body, parsed = bounded
         tools = body.get("tools")
         for i, t in enumerate(tools if isinstance(tools, list) else []):
             kind = t.get("type") if isinstance(t, dict) else None
@@ -188,8 +189,9 @@ class ResponsesBody(wire.WireBody[ResponsesRequest]):
             for item in items:
                 if isinstance(item, dict) and "type" not in item and "role" in item:
                     item["type"] = "message"
-            value = json.dumps(body).encode()
-        return chat_bridge.decode_body(value, ResponsesRequest, _FIELDS, REFUSED)
+            if not parsed:  # only json could read it: decode_bounded decodes these bytes for the error
+                value = json.dumps(body).encode()
+        return chat_bridge.decode_bounded(value, bounded, ResponsesRequest, _FIELDS, REFUSED)
 
 
 # --- the conversion -------------------------------------------------------------------------

@@ -95,10 +95,17 @@ class SessionStore:
         return _session(sid, h) if h else None
 
     async def record_turn(
-        self, tenant: str, sid: str, rec: RequestRecord, prefix_key: str | None, prefix_tokens: int
+        self,
+        tenant: str,
+        sid: str,
+        rec: RequestRecord,
+        prefix_key: str | None,
+        prefix_tokens: int,
+        row: str | None = None,
     ) -> None:
         """One finished turn: the session's engine, last key (kept when the
-        engine left none this turn), counters and timeline, TTLs refreshed."""
+        engine left none this turn), counters and timeline, TTLs refreshed. `row`: the record
+        already encoded (`rec.encoded()`, shared with the stats list)."""
         hk, tk, ik = self.hash_key(tenant, sid), self.timeline_key(tenant, sid), self.index_key(tenant)
         fields: dict[Any, str | int | float] = {
             "engine": rec.engine,
@@ -114,7 +121,7 @@ class SessionStore:
             pipe.hincrby(hk, "turns", 1)
             pipe.hincrby(hk, "hits", 1 if rec.hit else 0)
             pipe.expire(hk, self._ttl)
-            pipe.lpush(tk, json.dumps(rec.as_dict()))
+            pipe.lpush(tk, row if row is not None else rec.encoded())
             pipe.ltrim(tk, 0, self._timeline_len - 1)
             pipe.expire(tk, self._ttl)
             pipe.zadd(ik, {sid: rec.ts})

@@ -47,8 +47,9 @@ class StatsStore:
     def key(self, tenant: str, name: str) -> str:
         return f"{self._p}stats:{tenant}:{name}"
 
-    async def record(self, rec: RequestRecord) -> None:
-        """Counts one finished request for its tenant."""
+    async def record(self, rec: RequestRecord, row: str | None = None) -> None:
+        """Counts one finished request for its tenant; `row`: the record already encoded
+        (`rec.encoded()`, shared with the session timeline)."""
         t = rec.tenant
         totals = self.key(t, "totals")
         ttft = self.key(t, "ttft:warm" if rec.cache_source in ("memory", "disk") else "ttft:cold")
@@ -65,7 +66,7 @@ class StatsStore:
             pipe.hincrbyfloat(totals, "prefill_ms", rec.prefill_ms)
             pipe.hincrbyfloat(totals, "prefill_saved_ms", rec.prefill_saved_ms)
             pipe.hincrbyfloat(totals, "restore_ms", rec.restore_ms)
-            pipe.lpush(self.key(t, "recent"), json.dumps(rec.as_dict()))
+            pipe.lpush(self.key(t, "recent"), row if row is not None else rec.encoded())
             pipe.ltrim(self.key(t, "recent"), 0, self._recent_len - 1)
             pipe.lpush(ttft, rec.ttft_ms)
             pipe.ltrim(ttft, 0, self._ttft_len - 1)

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 from urllib.parse import urlsplit
 
 import torch
@@ -22,7 +22,16 @@ from keepwarm import settings as keepwarm_settings
 from keepwarm.engine.cache.index_protocol import INDEX_KINDS
 from keepwarm.engine.cache.policy import Policy, parse_policy
 from keepwarm.engine.loading import packaged_model
-from keepwarm.settings import SettingsError, add_arguments, internal, parse_bool, setting
+from keepwarm.settings import (
+    SettingsError,
+    add_arguments,
+    format_size,
+    internal,
+    parse_bool,
+    parse_size,
+    setting,
+    size_setting,
+)
 
 WEIGHTS = ("auto", "as-file", "bf16")  # --weights
 QUANTIZE = ("", "q8_0", "q4_k")  # --quantize
@@ -42,39 +51,6 @@ ConfigError = SettingsError  # bad engine configuration; the message names the f
 def default_cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "keepwarm" / "prefix-cache"
-
-
-def parse_size(text: str) -> int:
-    """Bytes from '4096', '512m', '4g', '1.5G' (binary units)."""
-    s = str(text).strip().lower().removesuffix("ib").removesuffix("b")
-    mult = 1
-    if s and s[-1] in "kmgt":
-        mult = 1024 ** ("kmgt".index(s[-1]) + 1)
-        s = s[:-1]
-    try:
-        value = float(s)
-    except ValueError:
-        raise ConfigError(
-            f"size {text!r} is not a number with an optional k/m/g/t suffix (4g, 512m)"
-        ) from None
-    if value < 0:
-        raise ConfigError(f"size {text!r} must not be negative")
-    return int(value * mult)
-
-
-def format_size(n: int | None) -> str:
-    """The shortest text parse_size reads back as n: 17179869184 -> '16g'."""
-    if n is None:
-        return "auto"
-    for power, unit in ((4, "t"), (3, "g"), (2, "m"), (1, "k")):
-        if n and n % 1024**power == 0:
-            return f"{n // 1024**power}{unit}"
-    return str(n)
-
-
-def size_setting(default: int, help: str) -> Any:
-    """A byte-count setting: read as `4g`, `512m`, `4096` (parse_size), shown the same way."""
-    return setting(default, parse=parse_size, show=format_size, help=help)
 
 
 def _min_free_disk(text: str) -> int | None:

@@ -46,7 +46,6 @@ class ChatReply:
     text: str
     finish_reason: str
     usage: dict[str, Any]  # OpenAI usage + prompt_tokens_details + timings
-    keepwarm: dict[str, Any]  # {prefix_key, prefix_tokens, namespace}
     wall_ms: float  # measured here: request sent -> whole reply received
     timings: dict[str, Any] = field(default_factory=dict)  # usage["timings"], {} when absent
 
@@ -139,7 +138,6 @@ class GatewayClient:
             text=str((choice.get("message") or {}).get("content") or ""),
             finish_reason=str(choice.get("finish_reason") or ""),
             usage=usage,
-            keepwarm=body.get("keepwarm") or {},
             wall_ms=wall_ms,
             timings=usage.get("timings") or {},
         )

@@ -51,7 +51,7 @@ def test_chat_posts_session_and_parses_timings(canned_gateway) -> None:
     reply = _client(canned_gateway.url).chat(msgs, session_id="pg-1", max_tokens=7)
     assert reply.text == "hello there" and reply.finish_reason == "stop"
     assert reply.timings["cache_source"] == "memory" and reply.timings["ttft_ms"] == 12.0
-    assert reply.keepwarm["prefix_tokens"] == 52 and reply.wall_ms > 0
+    assert reply.usage["prompt_tokens_details"]["cached_tokens"] == 42 and reply.wall_ms > 0
     (seen,) = canned_gateway.seen
     assert seen.headers["X-Session-Id"] == "pg-1"
     assert seen.body == {"model": "default", "messages": msgs, "max_tokens": 7, "temperature": 0.0}

@@ -125,6 +125,7 @@ CACHE: dict[str, Any] = {
 }  # fmt: skip
 CACHE["engines"][0]["entries"] = list(CACHE["entries"])
 
+# As the gateway answers: no `keepwarm` object (it strips the engine's).
 CHAT_REPLY: dict[str, Any] = {
     "id": "chatcmpl-1", "object": "chat.completion", "created": 1_700_000_040, "model": "demo",
     "choices": [{"index": 0, "message": {"role": "assistant", "content": "hello there"}, "finish_reason": "stop"}],
@@ -133,5 +134,4 @@ CHAT_REPLY: dict[str, Any] = {
               "timings": {"cache_source": "memory", "restored_tokens": 42, "restore_ms": 2.0,
                           "prefill_tokens": 8, "prefill_ms": 3.0, "decode_ms": 10.0, "ttft_ms": 12.0,
                           "prefill_saved_ms": 40.0, "decode_tokens_per_sec": 200.0}},
-    "keepwarm": {"prefix_key": "kk", "prefix_tokens": 52, "namespace": NS_A},
 }  # fmt: skip

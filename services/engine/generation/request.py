@@ -7,6 +7,7 @@ from typing import Any
 
 from keepwarm.engine.cache.policy import Policy
 from keepwarm.engine.cache.prefix_cache import SessionHint
+from keepwarm.engine.generation.field_ranges import LOGIT_BIAS, RANGES, TOKEN_ID
 from keepwarm.engine.generation.sampling import SamplingParams
 
 
@@ -74,26 +75,16 @@ class GenerateRequest:
     parallel_tool_calls: bool = True  # a tool_choice constraint may emit several calls
 
     def __post_init__(self) -> None:
-        if not 1 <= self.n <= 128:
-            raise RequestError(f"n must be in 1..128, got {self.n}", param="n")
-        if not 0 <= self.top_logprobs <= 20:
-            raise RequestError(
-                f"top_logprobs must be in 0..20, got {self.top_logprobs}", param="top_logprobs"
-            )
+        for name in ("n", "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            wrong = RANGES[name].refusal(name, getattr(self, name))
+            if wrong is not None:
+                raise RequestError(wrong, param=name)
         if self.top_logprobs and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise RequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}", param=name)
-        if not 0.0 < self.repetition_penalty <= 10.0:
-            raise RequestError(
-                f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}",
-                param="repetition_penalty",
-            )
         for token, bias in self.logit_bias:
-            if token < 0 or not -100.0 <= bias <= 100.0:
+            if not TOKEN_ID.holds(token) or not LOGIT_BIAS.holds(bias):
                 raise RequestError(
-                    f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {token}: {bias}",
+                    f"logit_bias maps token ids >= 0 to biases in {LOGIT_BIAS.interval()}, got {token}: {bias}",
                     param="logit_bias",
                 )
 

@@ -8,11 +8,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+from keepwarm.engine.generation.field_ranges import MAX_STOP, RANGES
+
 _TINY = torch.finfo(torch.float32).tiny
 
 
 class SamplingError(ValueError):
-    """A sampling parameter is out of range; the message says which and what is allowed."""
+    """A sampling parameter is out of range; the message says which and what is allowed, `param`
+    names the field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -28,16 +35,14 @@ class SamplingParams:
     extra: dict[str, object] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise SamplingError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not 0.0 <= self.temperature <= 100.0:
-            raise SamplingError(f"temperature must be in [0, 100], got {self.temperature}")
-        if self.top_k < 0:
-            raise SamplingError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
-        if len(self.stop) > 16:
-            raise SamplingError(f"at most 16 stop strings are allowed, got {len(self.stop)}")
+        for name in ("max_tokens", "temperature", "top_k", "top_p"):
+            wrong = RANGES[name].refusal(name, getattr(self, name))
+            if wrong is not None:
+                raise SamplingError(wrong, param=name)
+        if len(self.stop) > MAX_STOP:
+            raise SamplingError(
+                f"at most {MAX_STOP} stop strings are allowed, got {len(self.stop)}", param="stop"
+            )
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from keepwarm.engine.cache.policy import Policy, PolicyError, policy_for_request
 from keepwarm.engine.cache.prefix_cache import SessionHint
 from keepwarm.engine.generation.request import (
@@ -18,6 +20,7 @@ from keepwarm.engine.generation.request import (
     FinishEvent,
     GenerateRequest,
     RequestError,
+    Timings,
     TokenEvent,
 )
 from keepwarm.engine.generation.sampling import SamplingError, SamplingParams
@@ -99,8 +102,6 @@ def _max_tokens(value: int | None, param: str, limit: int, default: int) -> int:
 def _sampling(body: wire.SamplingFields, max_tokens: int) -> SamplingParams:
     stop = body.stop
     stops = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
-    if body.top_p is not None and not 0.0 < body.top_p <= 1.0:
-        raise RequestError(f"top_p must be in (0, 1], got {body.top_p}", param="top_p")
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -113,7 +114,7 @@ def _sampling(body: wire.SamplingFields, max_tokens: int) -> SamplingParams:
             ignore_eos=body.ignore_eos,
         )
     except SamplingError as e:
-        raise RequestError(str(e), param=str(e).split(" ", 1)[0]) from e
+        raise RequestError(str(e), param=e.param) from e
 
 
 def _cache_fields(
@@ -304,8 +305,6 @@ def _token_id(key: str) -> int:
 
 
 def _plain(s: Any) -> dict[str, Any]:
-    import msgspec
-
     out = msgspec.to_builtins(s)
     assert isinstance(out, dict)
     return out
@@ -413,13 +412,19 @@ class ReplyParser:
         )
 
 
+def wire_timings(t: Timings) -> wire.Timings:
+    """The engine's timings as the wire carries them (Timings.as_dict: rounded, diverged_at only
+    when set)."""
+    return msgspec.convert(t.as_dict(), wire.Timings)
+
+
 def usage(ev: FinishEvent) -> wire.Usage:
     return wire.Usage(
         prompt_tokens=ev.prompt_tokens,
         completion_tokens=ev.completion_tokens,
         total_tokens=ev.prompt_tokens + ev.completion_tokens,
         prompt_tokens_details=wire.PromptTokensDetails(cached_tokens=ev.cached_tokens),
-        timings=ev.timings.as_dict(),
+        timings=wire_timings(ev.timings),
     )
 
 
@@ -459,7 +464,7 @@ def total_usage(finishes: list[FinishEvent]) -> wire.Usage:
         completion_tokens=completion,
         total_tokens=first.prompt_tokens + completion,
         prompt_tokens_details=wire.PromptTokensDetails(cached_tokens=first.cached_tokens),
-        timings=first.timings.as_dict(),
+        timings=wire_timings(first.timings),
     )
 
 
@@ -635,15 +640,3 @@ def text_completion_chunk(
             keepwarm=keepwarm_info(ev, namespace) if ev is not None else wire.UNSET,
         )
     )
-
-
-def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
-    kind = {
-        400: "invalid_request_error",
-        401: "authentication_error",
-        404: "not_found_error",
-        413: "invalid_request_error",
-        429: "rate_limit_error",
-        503: "service_unavailable",
-    }.get(status, "server_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}

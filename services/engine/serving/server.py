@@ -33,7 +33,6 @@ from keepwarm.engine.serving.openai_format import (
     LogprobWriter,
     ReplyShape,
     completion_body,
-    error_body,
     parse_chat_request,
     parse_completion_request,
     text_completion_body,
@@ -239,6 +238,11 @@ def _sse(obj: dict[str, Any] | str | bytes) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
+def _error(message: str, status: int, param: str | None = None) -> bytes:
+    """The one error envelope (wire.error_body) as the body's bytes."""
+    return wire.encode(wire.error_body(message, status, param))
+
+
 def _present(data: wire.T | None) -> wire.T:
     """A typed body, or a 400 for an empty one (litestar hands an empty body over as None)."""
     if data is None:
@@ -282,9 +286,9 @@ def create_app(models: ModelSet, cfg: EngineConfig) -> Litestar:
         if isinstance(e, ClientGone):
             return Response(content=b"", status_code=499)
         if isinstance(e, wire.WireError):
-            return Response(error_body(str(e), e.status, e.param), status_code=e.status)
+            return Response(_error(str(e), e.status, e.param), status_code=e.status)
         if isinstance(e, RequestError):
-            return Response(error_body(str(e), e.status, e.param), status_code=e.status)
+            return Response(_error(str(e), e.status, e.param), status_code=e.status)
         if isinstance(e, QueueFull):
             # Room for one more once this many requests have drained (a finish admits a waiting
             # one): the wait for that, not for the whole queue, is the honest Retry-After.
@@ -292,7 +296,7 @@ def create_app(models: ModelSet, cfg: EngineConfig) -> Litestar:
             wait = drain.retry_after_s(ahead)
             pace = f"draining at {rate:.3f} requests/s" if rate is not None else "no drain rate measured yet"
             return Response(
-                error_body(
+                _error(
                     f"the engine queue is full ({cfg.queue_size} requests waiting); room after {ahead} "
                     f"requests ahead finish, {pace}; retry after {wait} s",
                     429,
@@ -300,7 +304,7 @@ def create_app(models: ModelSet, cfg: EngineConfig) -> Litestar:
                 status_code=429,
                 headers={"Retry-After": str(wait)},
             )
-        return Response(error_body(f"internal error: {type(e).__name__}: {e}", 500), status_code=500)
+        return Response(_error(f"internal error: {type(e).__name__}: {e}", 500), status_code=500)
 
     def on_error(req: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
         status = getattr(exc, "status_code", None)
@@ -309,12 +313,14 @@ def create_app(models: ModelSet, cfg: EngineConfig) -> Litestar:
         ):  # litestar's own (404, 405, 413 ...)
             detail = getattr(exc, "detail", "") or str(exc)
             if status == 413:
-                detail = "request body exceeds the engine's limit of 32 MiB; send less"
+                detail = (
+                    f"request body exceeds the engine's limit of {wire.MAX_BODY_BYTES >> 20} MiB; send less"
+                )
             elif status == 404:
                 detail = f"no route for {req.method} {req.url.path}; see /schema for the routes"
             elif status == 405:
                 detail = f"{req.method} is not allowed on {req.url.path}"
-            return Response(error_body(str(detail), status), status_code=status)
+            return Response(_error(str(detail), status), status_code=status)
         return error(exc)
 
     async def next_event(job: Job) -> Event | None:
@@ -434,8 +440,8 @@ def create_app(models: ModelSet, cfg: EngineConfig) -> Litestar:
                     param="add_special_tokens",
                 )
             chat = parse_chat_request(
-                wire.encode({"messages": body.messages, "tools": body.tools,
-                             "chat_template_kwargs": body.chat_template_kwargs}),
+                wire.ChatCompletionRequest(messages=body.messages, tools=body.tools,
+                                           chat_template_kwargs=body.chat_template_kwargs),
                 cfg.max_tokens_limit, slot.cfg.policy, trusted=False,
             )  # fmt: skip
             req = chat.request
@@ -517,7 +523,7 @@ def create_app(models: ModelSet, cfg: EngineConfig) -> Litestar:
                 yield b": keep-alive\n\n"
                 continue
             except RequestError as e:
-                yield _sse(error_body(str(e), e.status, e.param))
+                yield _sse(_error(str(e), e.status, e.param))
                 return
             if ev is None:
                 return
@@ -633,7 +639,7 @@ def create_app(models: ModelSet, cfg: EngineConfig) -> Litestar:
         ):
             return None
         message = "this engine serves only its gateway: send 'Authorization: Bearer <KEEPWARM_ENGINE_TOKEN>'"
-        return Response(error_body(message, 401), status_code=401, media_type="application/json")
+        return Response(_error(message, 401), status_code=401, media_type="application/json")
 
     return Litestar(
         state=State({"worker": worker}),  # serve() starts its background work once serving
@@ -651,7 +657,7 @@ def create_app(models: ModelSet, cfg: EngineConfig) -> Litestar:
         before_request=only_the_gateway,
         exception_handlers={Exception: on_error},
         on_shutdown=[shutdown],
-        request_max_body_size=32 * 1024 * 1024,
+        request_max_body_size=wire.MAX_BODY_BYTES,
         openapi_config=OpenAPIConfig(title="keepwarm engine", version="0.1.0", path="/schema"),
         plugins=[wire.ClosedStructSchema()],
     )

@@ -26,8 +26,17 @@ from litestar.plugins import OpenAPISchemaPlugin
 from litestar.typing import FieldDefinition
 from msgspec import UNSET, Meta, Struct, UnsetType
 
+from keepwarm.engine.generation.field_ranges import (
+    COMPLETION_LOGPROBS,
+    LOGIT_BIAS,
+    MAX_STOP,
+    PREFIX_CACHE_RANGES,
+    RANGES,
+    TOKEN_ID,
+)
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_BODY_BYTES = 32 * 1024 * 1024  # the engine's one request-body limit (a 413 beyond)
 
 # OpenAI request fields keepwarm does not implement: a 400 says so instead of "unknown field".
 UNSUPPORTED = {
@@ -58,9 +67,14 @@ _CHOICES = {
 }
 
 Name = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
-Int64 = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
-TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
-NonNegInt = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+TokenId = Annotated[int, Meta(**TOKEN_ID.bounds())]
+NonNegInt = TokenId
+
+
+def within(name: str) -> Meta:
+    """The msgspec constraint of the field `name` (field_ranges.RANGES); the gateway's other APIs
+    use it for the fields they share with chat completions."""
+    return Meta(**RANGES[name].bounds())
 
 
 class WireError(ValueError):
@@ -180,7 +194,7 @@ class PrefixCacheOptions(Struct, forbid_unknown_fields=True):
     (docs/architecture.md, 'Cache policies')."""
 
     scope: str | int | None = None
-    window: int | None = None
+    window: Annotated[int, Meta(**PREFIX_CACHE_RANGES["window"].bounds())] | None = None
 
 
 class SessionHintBody(Struct, forbid_unknown_fields=True):
@@ -190,7 +204,8 @@ class SessionHintBody(Struct, forbid_unknown_fields=True):
     tokens: NonNegInt
 
 
-Stop = str | Annotated[list[str], Meta(max_length=16)] | None
+StopList = Annotated[list[str], Meta(max_length=MAX_STOP)]
+Stop = str | StopList | None
 
 
 class SamplingFields(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -199,19 +214,19 @@ class SamplingFields(Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: Annotated[int, Meta(ge=1)] | None = None
-    temperature: Annotated[float, Meta(ge=0)] | None = None
-    top_p: float | None = None
-    top_k: Annotated[int, Meta(ge=0)] | None = None  # extension
-    n: Annotated[int, Meta(ge=1, le=128)] | None = None
-    seed: Int64 | None = None
+    max_tokens: Annotated[int, within("max_tokens")] | None = None
+    temperature: Annotated[float, within("temperature")] | None = None
+    top_p: Annotated[float, within("top_p")] | None = None
+    top_k: Annotated[int, within("top_k")] | None = None  # extension
+    n: Annotated[int, within("n")] | None = None
+    seed: Annotated[int, within("seed")] | None = None
     stop: Stop = None
     stop_token_ids: list[TokenId] | None = None  # extension (vLLM)
     ignore_eos: bool = False  # extension
-    presence_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
-    frequency_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0, le=10)] | None = None  # extension (vLLM)
-    logit_bias: dict[str, Annotated[float, Meta(ge=-100, le=100)]] | None = None
+    presence_penalty: Annotated[float, within("presence_penalty")] | None = None
+    frequency_penalty: Annotated[float, within("frequency_penalty")] | None = None
+    repetition_penalty: Annotated[float, within("repetition_penalty")] | None = None  # extension (vLLM)
+    logit_bias: dict[str, Annotated[float, Meta(**LOGIT_BIAS.bounds())]] | None = None
     user: str | None = None
     # keepwarm extensions (docs/architecture.md, 'Wire extensions'); cache_salt and session_hint
     # are honoured from the gateway only
@@ -222,9 +237,9 @@ class SamplingFields(Struct, kw_only=True, forbid_unknown_fields=True):
 
 class ChatCompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
-    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, within("max_completion_tokens")] | None = None
     logprobs: bool | None = None
-    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[int, within("top_logprobs")] | None = None
     tools: Annotated[list[Tool], Meta(max_length=128)] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -236,7 +251,7 @@ class CompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True
     """Legacy completions: a raw prompt, text or token ids, no chat template."""
 
     prompt: str | Annotated[list[TokenId], Meta(min_length=1)]
-    logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
+    logprobs: Annotated[int, Meta(**COMPLETION_LOGPROBS.bounds())] | None = None
 
 
 # --- tokenize / detokenize ------------------------------------------------------------------
@@ -302,6 +317,27 @@ class ErrorBody(Struct):
     error: ErrorDetail
 
 
+# OpenAI-style `type` per HTTP status, for both services; any other status is "api_error".
+ERROR_TYPES: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    502: "api_error",
+    503: "service_unavailable",
+}
+
+
+def error_body(message: str, status: int, param: str | None = None, type_: str | None = None) -> ErrorBody:
+    """The one error envelope: `type` from ERROR_TYPES unless given (an engine's, passed on)."""
+    kind = type_ or ERROR_TYPES.get(status, "api_error")
+    return ErrorBody(error=ErrorDetail(message=message, type=kind, param=param, code=status))
+
+
 _ERROR_WHEN = {
     400: "the body or a field is invalid; `param` names the field",
     401: "missing or wrong credentials",
@@ -330,16 +366,33 @@ class PromptTokensDetails(Struct):
     cached_tokens: int
 
 
+class Timings(Struct):
+    """keepwarm's `usage.timings`: where the prompt's state came from and what each phase took
+    (milliseconds, rounded to 0.01); the engine's generation.request.Timings as sent."""
+
+    cache_source: str = "none"  # memory | disk | none
+    restored_tokens: int = 0
+    restore_ms: float = 0.0
+    restore_bytes: int = 0
+    prefill_tokens: int = 0
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+    ttft_ms: float = 0.0
+    prefill_saved_ms: float = 0.0
+    decode_tokens_per_sec: float = 0.0
+    diverged_at: int | UnsetType = UNSET  # where a restored prefix stopped matching the prompt
+
+
 class Usage(Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
-    timings: dict[str, Any]  # keepwarm: cache source, restore / prefill / decode times
+    timings: Timings  # keepwarm: cache source, restore / prefill / decode times
 
 
 class KeepwarmInfo(Struct):
-    """Engine-internal: the gateway reads and strips it."""
+    """Engine-internal: the gateway reads and strips it (the clients' replies never carry it)."""
 
     prefix_key: str | None
     prefix_tokens: int
@@ -399,7 +452,7 @@ class ChatCompletion(Struct):
     model: str
     choices: list[Choice]
     usage: Usage
-    keepwarm: KeepwarmInfo
+    keepwarm: KeepwarmInfo | UnsetType = UNSET  # the engine's; the gateway strips it
     object: str = "chat.completion"
 
 
@@ -497,6 +550,15 @@ def decode(raw: bytes, kind: type[T]) -> T:
         raise _wire_error(str(e)) from None
     except msgspec.DecodeError as e:
         raise WireError(f"the request body is not valid JSON ({e})") from None
+
+
+def convert(obj: Any, kind: type[T]) -> T:
+    """An already parsed body (plain JSON objects) as a `kind`: the checks and errors of `decode`,
+    without parsing the bytes again."""
+    try:
+        return msgspec.convert(obj, kind)
+    except msgspec.ValidationError as e:
+        raise _wire_error(str(e)) from None
 
 
 def _wire_error(text: str) -> WireError:

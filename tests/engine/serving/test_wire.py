@@ -348,3 +348,19 @@ def test_chat_template_kwargs_reach_the_template(engine: Proc) -> None:
     r = httpx.post(engine.url + "/v1/chat/completions", json={"messages": USER, "max_tokens": 2,
                    "chat_template_kwargs": {"add_generation_prompt": False}})  # fmt: skip
     assert r.status_code == 400 and "cannot set 'add_generation_prompt'" in r.json()["error"]["message"]
+
+
+def test_wire_timings_carry_every_engine_timing() -> None:
+    """usage.timings is typed (wire.Timings): the same fields as the engine's Timings, rounded,
+    diverged_at only when set."""
+    import dataclasses
+
+    import msgspec
+
+    from keepwarm.engine.generation.request import Timings
+    from keepwarm.engine.serving.openai_format import wire_timings
+
+    assert wire.Timings.__struct_fields__ == tuple(f.name for f in dataclasses.fields(Timings))
+    t = msgspec.to_builtins(wire_timings(Timings(cache_source="disk", restore_ms=1.234567)))
+    assert t["restore_ms"] == 1.23 and t["cache_source"] == "disk" and "diverged_at" not in t
+    assert msgspec.to_builtins(wire_timings(Timings(diverged_at=7)))["diverged_at"] == 7
