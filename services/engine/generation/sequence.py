@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from keepwarm.engine.cache.policy import Policy
-from keepwarm.engine.cache.prefix_cache import Hit
+from keepwarm.engine.cache.prefix_cache import Hit, Probe
 from keepwarm.engine.cache.snapshot import Snapshot
 from keepwarm.engine.generation.grammar import TokenMatcher
 from keepwarm.engine.generation.request import FinishEvent, GenerateRequest, TokenEvent
@@ -25,6 +25,13 @@ from keepwarm.engine.generation.stopping import StopChecker
 from keepwarm.engine.models.backend import State
 
 Event = TokenEvent | FinishEvent
+
+
+@dataclass(frozen=True)
+class Prompt:
+    tokens: list[int]
+    boundaries: list[int]  # token positions where each chat message ends
+    extends_to_next_turn: bool = False  # the next turn's prompt starts with all of `tokens`
 
 
 class Status(enum.Enum):
@@ -51,6 +58,7 @@ class Sequence:
     parked: Snapshot | None = None  # the state of a preempted sequence (also in the RAM tier)
     save_points: list[int] = field(default_factory=list)  # absolute prompt positions to snapshot at
     prompt_extends_to_next_turn: bool = False  # the next turn's prompt starts with the whole prompt
+    probe: Probe | None = None  # the admission's one cache lookup, until it is admitted
     hit: Hit | None = None
     diverged_at: int | None = None
     finish_reason: str | None = None
