@@ -43,7 +43,7 @@ from keepwarm.engine.generation.request import FinishEvent, GenerateRequest, Req
 from keepwarm.engine.generation.runner import Runner, StepOutput
 from keepwarm.engine.generation.sampling import LogitsRules, Sampler
 from keepwarm.engine.generation.scheduler import Scheduler, SchedulerOutput
-from keepwarm.engine.generation.sequence import Event, Prompt, Sequence, Status
+from keepwarm.engine.generation.sequence import Decoding, Event, Prompt, Reply, Sequence, Status
 from keepwarm.engine.generation.snapshot_pipeline import SnapshotPipeline
 from keepwarm.engine.generation.state_memory import StateMemory
 from keepwarm.engine.generation.stopping import StopChecker
@@ -355,14 +355,15 @@ class Engine:
             boundaries=list(prompt.boundaries),
             prompt_extends_to_next_turn=prompt.extends_to_next_turn,
             policy=req.policy or self.default_policy,
-            sampler=Sampler(params, _rules(req)),
-            stopper=StopChecker(self.tokenizer.stream_decoder(), params.stop, stop_ids),
-            max_new_tokens=min(params.max_tokens, self.cfg.max_context - len(prompt.tokens)),
-            on_event=on_event,
-            should_stop=should_stop,
-            matcher=matcher,
+            decoding=Decoding(
+                sampler=Sampler(params, _rules(req)),
+                stopper=StopChecker(self.tokenizer.stream_decoder(), params.stop, stop_ids),
+                max_new_tokens=min(params.max_tokens, self.cfg.max_context - len(prompt.tokens)),
+                matcher=matcher,
+            ),
+            reply=Reply(on_event=on_event, should_stop=should_stop),
         )
-        seq.group.append(seq)
+        seq.reply.group.append(seq)
         with self.waiting_lock:
             if self.num_waiting >= self.cfg.queue_size:
                 raise QueueFull
@@ -406,7 +407,7 @@ class Engine:
             self.scheduler.add(self.inbox.get())
         self.snapshots.land(wait=False)
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
-            if seq.should_stop():
+            if seq.reply.should_stop():
                 self._finish(seq, "cancelled")
 
     def _account(self, plan: SchedulerOutput) -> None:
@@ -430,7 +431,7 @@ class Engine:
         """Sample each batch entry that finished feeding its prompt (snapshots at its save
         points on the way), end the replies that stop, then their continued checkpoints.
         No batch (`out` None): the snapshot copies in flight land now."""
-        ended = [s for s in plan.out_of_memory if s.checkpoint]
+        ended = [s for s in plan.out_of_memory if s.reply.checkpoint]
         if out is None:
             self._checkpoint(ended)
             self.snapshots.land(wait=True)  # no forward to overlap with: the copies land now
@@ -444,50 +445,50 @@ class Engine:
             assert seq.state is not None
             share = out.seconds * b.num_tokens / out.num_tokens if out.num_tokens else 0.0
             if b.num_tokens and seq.position <= seq.num_prompt_tokens and not seq.num_generated:
-                seq.prefill_s += share
+                seq.reply.prefill_s += share
                 if seq.position in seq.save_points:
                     self.snapshots.save(seq, seq.position)
                 if seq.prefilling:
                     continue
             elif b.num_tokens:
-                seq.decode_s += share
-            if seq.num_generated == 0 and seq.choice == 0:
+                seq.reply.decode_s += share
+            if seq.num_generated == 0 and seq.reply.choice == 0:
                 self._prefilled(seq)
             self._sample(seq, out.logits[seq.seq_id])
-            if seq.finish_reason is not None:
+            if seq.reply.finish_reason is not None:
                 done.append(seq)
-        self._checkpoint([s for s in done if s.checkpoint])
+        self._checkpoint([s for s in done if s.reply.checkpoint])
         self.stats.snapshots_saved = self.snapshots.num_saved
 
     def _prefilled(self, seq: Sequence) -> None:
         n = seq.num_prompt_tokens - seq.restored
         self.stats.prefill_tokens += n
-        self.stats.prefill_seconds += seq.prefill_s
+        self.stats.prefill_seconds += seq.reply.prefill_s
         if seq.num_preemptions == 0 and n > 0:
-            self.prefill_cost.record(seq.restored, n, seq.prefill_s)
+            self.prefill_cost.record(seq.restored, n, seq.reply.prefill_s)
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> None:
-        if seq.num_generated == 0 and seq.request.n > 1 and seq.choice == 0:
+        if seq.num_generated == 0 and seq.request.n > 1 and seq.reply.choice == 0:
             self._fork(seq)
-        m = seq.matcher
+        m = seq.decoding.matcher
         allowed = None
         if m is not None:
             mask = m.allowed_tokens()
             allowed = lambda x: apply_token_bitmask_(x, mask)  # noqa: E731
         n = seq.num_prompt_tokens
-        pick = seq.sampler(logits, seq.tokens[:n], seq.tokens[n:], allowed)
+        pick = seq.decoding.sampler(logits, seq.tokens[:n], seq.tokens[n:], allowed)
         tok = pick.token
         if m is not None:
             m.advance(tok)
         seq.tokens.append(tok)
-        if seq.t_first_token is None:
-            seq.t_first_token = time.perf_counter()
-        text, stopped = seq.stopper.push(tok)
+        if seq.reply.t_first_token is None:
+            seq.reply.t_first_token = time.perf_counter()
+        text, stopped = seq.decoding.stopper.push(tok)
         if not stopped or text or pick.logprob is not None:
-            seq.emit(TokenEvent(tok, text, seq.choice, pick.logprob, pick.top_logprobs))
+            seq.reply.emit(TokenEvent(tok, text, seq.reply.choice, pick.logprob, pick.top_logprobs))
         if stopped or (m is not None and tok in self.tokenizer.eos_token_ids and m.is_done()):
             self._finish(seq, "stop")
-        elif seq.num_generated >= seq.max_new_tokens:
+        elif seq.num_generated >= seq.decoding.max_new_tokens:
             self._finish(seq, "length")
 
     def _fork(self, parent: Sequence) -> None:
@@ -501,44 +502,44 @@ class Engine:
                 parent,
                 seq_id=next(self.ids),
                 tokens=list(parent.tokens),
-                sampler=Sampler(params, _rules(req), choice),
-                stopper=StopChecker(
-                    self.tokenizer.stream_decoder(), params.stop, parent.stopper.stop_token_ids
+                decoding=replace_seq(
+                    parent.decoding,
+                    sampler=Sampler(params, _rules(req), choice),
+                    stopper=StopChecker(
+                        self.tokenizer.stream_decoder(), params.stop, parent.decoding.stopper.stop_token_ids
+                    ),
+                    matcher=self._matcher(req, choice),
                 ),
+                reply=replace_seq(parent.reply, choice=choice, t_first_token=None, checkpoint=False),
                 status=Status.WAITING,
                 state=None,
                 parked=snap,
                 save_points=[],
                 probe=None,
                 queued=False,
-                choice=choice,
-                group=parent.group,
-                matcher=self._matcher(req, choice),
-                t_first_token=None,
-                checkpoint=False,
             )
-            parent.group.append(child)
+            parent.reply.group.append(child)
             self.scheduler.requeue(child)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         """Send the reply's end; free the state unless a continued checkpoint follows
         (this step's `_checkpoint`)."""
-        seq.finish_reason = reason
-        rest = seq.stopper.finish(flush=reason == "length")
+        seq.reply.finish_reason = reason
+        rest = seq.decoding.stopper.finish(flush=reason == "length")
         if rest:
-            seq.emit(TokenEvent(seq.tokens[-1] if seq.num_generated else -1, rest, seq.choice))
+            seq.reply.emit(TokenEvent(seq.tokens[-1] if seq.num_generated else -1, rest, seq.reply.choice))
         self.stats.completion_tokens += seq.num_generated
-        seq.checkpoint = (
-            seq.choice == 0
+        seq.reply.checkpoint = (
+            seq.reply.choice == 0
             and seq.policy.mode == "full"
             and reason != "cancelled"
             and seq.num_generated > 0
             and seq.state is not None
             and len(seq.tokens) <= self.cfg.max_context
         )
-        key = self.cache.key(seq.salt, seq.tokens) if seq.checkpoint else None
-        seq.emit(self._finish_event(seq, key))
-        if not seq.checkpoint:
+        key = self.cache.key(seq.salt, seq.tokens) if seq.reply.checkpoint else None
+        seq.reply.emit(self._finish_event(seq, key))
+        if not seq.reply.checkpoint:
             self._release(seq)
 
     def _checkpoint(self, seqs: list[Sequence]) -> None:
@@ -563,7 +564,7 @@ class Engine:
         self.scheduler.remove(seq)
         if seq.state is not None:
             self.memory.free(seq.state)
-        if seq.hit is not None and seq.choice == 0:
+        if seq.hit is not None and seq.reply.choice == 0:
             self.cache.promote(seq.hit)  # off the TTFT path; the hit's rows were never rewritten
         seq.state, seq.parked = None, None
         seq.status = Status.FINISHED
@@ -572,44 +573,44 @@ class Engine:
         hit = seq.hit
         restored = seq.restored
         saved_s = 0.0
-        if hit is not None and seq.choice == 0:  # the request's restore, counted once
+        if hit is not None and seq.reply.choice == 0:  # the request's restore, counted once
             tier = hit.source
             self.stats.hits_by_tier[tier] += 1
             self.stats.hit_tokens_by_tier[tier] += restored
-            self.stats.restore_seconds += seq.restore_s
+            self.stats.restore_seconds += seq.reply.restore_s
             self.stats.restore_bytes += hit.num_bytes
             cold = self.prefill_cost.saved(restored, seq.num_prompt_tokens)
             if cold is not None:
-                saved_s = max(0.0, cold - seq.restore_s)
+                saved_s = max(0.0, cold - seq.reply.restore_s)
                 self.stats.prefill_saved_seconds += saved_s
         now = time.perf_counter()
-        first = seq.t_first_token if seq.t_first_token is not None else now
+        first = seq.reply.t_first_token if seq.reply.t_first_token is not None else now
         n = seq.num_generated
         prompt_len = seq.num_prompt_tokens
         timings = Timings(
             cache_source=hit.source if hit else "none",
             restored_tokens=restored,
-            restore_ms=seq.restore_s * 1000,
+            restore_ms=seq.reply.restore_s * 1000,
             restore_bytes=hit.num_bytes if hit else 0,
-            prefill_tokens=prompt_len - restored if seq.finish_reason != "cancelled" or n else 0,
-            prefill_ms=seq.prefill_s * 1000,
-            decode_ms=seq.decode_s * 1000,
-            ttft_ms=(first - seq.t_arrival) * 1000,
+            prefill_tokens=prompt_len - restored if seq.reply.finish_reason != "cancelled" or n else 0,
+            prefill_ms=seq.reply.prefill_s * 1000,
+            decode_ms=seq.reply.decode_s * 1000,
+            ttft_ms=(first - seq.reply.t_arrival) * 1000,
             prefill_saved_ms=saved_s * 1000,
-            decode_tokens_per_sec=(n / seq.decode_s) if seq.decode_s > 0 else 0.0,
-            diverged_at=seq.diverged_at,
+            decode_tokens_per_sec=(n / seq.reply.decode_s) if seq.reply.decode_s > 0 else 0.0,
+            diverged_at=seq.reply.diverged_at,
         )
         return FinishEvent(
-            seq.finish_reason or "stop",
-            seq.stopper.text,
+            seq.reply.finish_reason or "stop",
+            seq.decoding.stopper.text,
             prompt_len,
             n,
             restored,
             timings,
             key,
             len(seq.tokens) if key else 0,
-            seq.choice,
-            seq.stopper.matched,
+            seq.reply.choice,
+            seq.decoding.stopper.matched,
         )
 
     # -- conveniences (tests, CLI) -------------------------------------------------
@@ -624,7 +625,7 @@ class Engine:
         (after the continued checkpoint)."""
         events: deque[Event] = deque()
         seq = self.submit(req, events.append, should_stop, prompt)
-        while any(s.status is not Status.FINISHED for s in seq.group) or len(seq.group) < req.n:
+        while any(s.status is not Status.FINISHED for s in seq.reply.group) or len(seq.reply.group) < req.n:
             self.step()
             while events:
                 yield events.popleft()

@@ -77,12 +77,12 @@ class SnapshotPipeline:
         t0 = time.perf_counter()
         alloc = self.restore_target(seq.state) if self.restore_target is not None else None
         found = self.cache.read(probe, alloc)
-        seq.diverged_at = found.diverged_at
+        seq.reply.diverged_at = found.diverged_at
         if found.hit is not None:
             try:
                 seq.state = self.backend.adopt(found.hit.snapshot, seq.state.capacity, into=seq.state)
                 seq.hit = found.hit
-                seq.restore_s = time.perf_counter() - t0
+                seq.reply.restore_s = time.perf_counter() - t0
             except ValueError:
                 seq.state.position, seq.state.logits = 0, None  # a mismatch the tier missed: a miss
         prompt = Prompt(seq.tokens[: seq.num_prompt_tokens], seq.boundaries, seq.prompt_extends_to_next_turn)
