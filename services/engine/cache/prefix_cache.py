@@ -54,7 +54,7 @@ class Probe:
 
 @dataclass(frozen=True)
 class Lookup:
-    """What `PrefixCache.find` says about a prompt: the deepest usable entry (None: a
+    """What `PrefixCache.read` says about a prompt: the deepest usable entry (None: a
     miss) and, when the session's last prefix was not reached, where the prompt left it."""
 
     hit: Hit | None
@@ -116,18 +116,6 @@ class PrefixCache:
         keys = prefix_keys(self.namespace, salt, tokens, lengths)  # one hashing pass for all lengths
         depth = next((n for n, key in zip(lengths, keys, strict=True) if self._holds_any(key)), 0)
         return Probe(salt, tuple(tokens), tuple(lengths), tuple(keys), hint, depth)
-
-    def find(
-        self,
-        salt: str,
-        tokens: Sequence[int],
-        boundaries: Iterable[int],
-        hint: SessionHint | None,
-        min_tokens: int,
-        alloc: Alloc | None = None,
-    ) -> Lookup:
-        """`probe` then `read`: the deepest cached prefix of `tokens`."""
-        return self.read(self.probe(salt, tokens, boundaries, hint, min_tokens), alloc)
 
     def read(self, probe: Probe, alloc: Alloc | None = None) -> Lookup:
         """The engine's one question to the cache: the deepest usable entry among `probe`'s

@@ -26,7 +26,7 @@ def _cache(root: Path) -> tuple[PrefixCache, DiskCache]:
 
 
 def _find(cache: PrefixCache, key: str) -> Lookup:
-    return cache.find(SALT, PROMPT, [], SessionHint(key, len(STORED)), min_tokens=1)
+    return cache.read(cache.probe(SALT, PROMPT, [], SessionHint(key, len(STORED)), min_tokens=1))
 
 
 def test_a_miss_is_explained_from_an_entry_in_a_real_shard_folder(tmp_path: Path) -> None:
@@ -50,7 +50,7 @@ def test_a_miss_is_explained_from_an_entry_in_a_real_shard_folder(tmp_path: Path
 def test_a_symlinked_shard_folder_is_never_read(tmp_path: Path) -> None:
     """A shard folder below the cache root that is a link to elsewhere: the entry file
     behind it is valid (namespace, key, checksums), yet neither `stored_tokens` nor the
-    divergence position of `find` may come from it."""
+    divergence position of a lookup may come from it."""
     root = tmp_path / "cache"
     outside = tmp_path / "elsewhere"
     outside.mkdir()
