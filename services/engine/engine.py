@@ -14,7 +14,6 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from array import array
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ from keepwarm.engine.cache.disk_cache import DiskCache
 from keepwarm.engine.cache.memory_cache import MemoryCache
 from keepwarm.engine.cache.namespace import namespace_id, weights_fingerprint
 from keepwarm.engine.cache.policy import Policy
-from keepwarm.engine.cache.prefix_cache import PrefixCache, diverged_at
+from keepwarm.engine.cache.prefix_cache import PrefixCache
 from keepwarm.engine.cache.snapshot import Snapshot
 from keepwarm.engine.cache.snapshot_file import FORMAT_VERSION
 from keepwarm.engine.config import EngineConfig
@@ -43,9 +42,9 @@ from keepwarm.engine.generation.prefill_cost import PrefillCost
 from keepwarm.engine.generation.request import FinishEvent, GenerateRequest, RequestError, Timings, TokenEvent
 from keepwarm.engine.generation.runner import Runner, StepOutput
 from keepwarm.engine.generation.sampling import LogitsRules, Sampler
-from keepwarm.engine.generation.scheduler import Scheduled, Scheduler
-from keepwarm.engine.generation.sequence import Event, Sequence, Status
-from keepwarm.engine.generation.snapshot_copier import PendingSnapshot, SnapshotCopier
+from keepwarm.engine.generation.scheduler import Scheduler, SchedulerOutput
+from keepwarm.engine.generation.sequence import Decoding, Event, Prompt, Reply, Sequence, Status
+from keepwarm.engine.generation.snapshot_pipeline import SnapshotPipeline
 from keepwarm.engine.generation.state_memory import StateMemory
 from keepwarm.engine.generation.stopping import StopChecker
 from keepwarm.engine.loading.chat_template import ChatTemplate, ChatTemplateError
@@ -55,8 +54,6 @@ from keepwarm.engine.models.backend import weight_bytes_by_type
 from keepwarm.engine.models.placement import Placement
 from keepwarm.engine.serving.tool_calls import encode_chat_with_tools, tool_format_for
 from keepwarm.kernels.ops import kernels_id
-
-MAX_AUTO_WINDOW = 256  # `auto:W` compares with at most this many recent prompts
 
 __all__ = ["Engine", "EngineStats", "Event", "Prompt", "QueueFull"]
 
@@ -86,13 +83,6 @@ class EngineStats:
     step_seconds: float = 0.0
     preemptions: int = 0
     calibration_prefills: int = 0  # warm-up prefills of the prefill cost model (never a request's)
-
-
-@dataclass(frozen=True)
-class Prompt:
-    tokens: list[int]
-    boundaries: list[int]  # token positions where each chat message ends
-    extends_to_next_turn: bool = False  # the next turn's prompt starts with all of `tokens`
 
 
 def open_model(cfg: EngineConfig) -> tuple[Checkpoint, Placement]:
@@ -171,10 +161,11 @@ class Engine:
         )
         self.default_policy: Policy = cfg.policy
         self.stats = EngineStats()
-        self.memory = StateMemory(self.backend, self._kv_budget(), cfg.max_context)
-        self.scheduler = Scheduler(cfg.max_seqs, self._max_batch_tokens(), cfg.chunk_size)
-        # (salt, prompt tokens) of recent requests for `auto`; int32 arrays: 4 bytes a token
-        self.recent_prompts: deque[tuple[str, array[int]]] = deque(maxlen=MAX_AUTO_WINDOW)
+        self.snapshots = SnapshotPipeline(self.cache, self.backend, cfg.min_tokens)
+        memory = StateMemory(self.backend, self._kv_budget(), cfg.max_context)
+        self.scheduler = Scheduler(
+            cfg.max_seqs, self._max_batch_tokens(), cfg.chunk_size, memory, self.snapshots
+        )
         self.inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()  # from other threads
         self.num_waiting = 0  # submitted, not admitted yet: the bounded queue
         self.waiting_lock = threading.Lock()
@@ -182,12 +173,15 @@ class Engine:
         self.ids = count()
         self.grammar_tokenizer: GrammarTokenizer | None = None  # built on the first constrained request
         self.tool_format = tool_format_for(self.template.source)  # of requests that send tools
-        # optional backend capability: read disk hits straight into a state's buffers
-        self.restore_target = getattr(self.backend, "restore_target", None)
-        # snapshots on their way to host memory, oldest first: (key, key tokens, copy);
-        # they enter the cache in this order (see _land)
-        self.copier = SnapshotCopier()
-        self.copies: deque[tuple[str, list[int], PendingSnapshot]] = deque()
+
+    @property
+    def memory(self) -> StateMemory:
+        """The state byte budget (the scheduler's view of memory)."""
+        return self.scheduler.memory
+
+    @memory.setter
+    def memory(self, memory: StateMemory) -> None:
+        self.scheduler.memory = memory
 
     def _max_batch_tokens(self) -> int:
         if self.cfg.max_batch_tokens > 0:
@@ -222,7 +216,7 @@ class Engine:
     def close(self) -> None:
         """The caller makes sure no step runs now (ModelSet._park holds `self.lock`)."""
         self._calibration = None  # an unfinished warm-up stops here (its prefills so far are kept)
-        self._land(wait=True)
+        self.snapshots.land(wait=True)
         self.prefill_cost.save()
         if self.cache.disk is not None:
             self.cache.disk.close()
@@ -361,14 +355,15 @@ class Engine:
             boundaries=list(prompt.boundaries),
             prompt_extends_to_next_turn=prompt.extends_to_next_turn,
             policy=req.policy or self.default_policy,
-            sampler=Sampler(params, _rules(req)),
-            stopper=StopChecker(self.tokenizer.stream_decoder(), params.stop, stop_ids),
-            max_new_tokens=min(params.max_tokens, self.cfg.max_context - len(prompt.tokens)),
-            on_event=on_event,
-            should_stop=should_stop,
-            matcher=matcher,
+            decoding=Decoding(
+                sampler=Sampler(params, _rules(req)),
+                stopper=StopChecker(self.tokenizer.stream_decoder(), params.stop, stop_ids),
+                max_new_tokens=min(params.max_tokens, self.cfg.max_context - len(prompt.tokens)),
+                matcher=matcher,
+            ),
+            reply=Reply(on_event=on_event, should_stop=should_stop),
         )
-        seq.group.append(seq)
+        seq.reply.group.append(seq)
         with self.waiting_lock:
             if self.num_waiting >= self.cfg.queue_size:
                 raise QueueFull
@@ -393,195 +388,107 @@ class Engine:
     # -- the loop body ------------------------------------------------------------
     def has_work(self) -> bool:
         """Sequences to run, or snapshot copies still to land (a step lands them)."""
-        return self.scheduler.has_work() or not self.inbox.empty() or bool(self.copies)
+        return self.scheduler.has_work() or not self.inbox.empty() or bool(self.snapshots.copies)
 
     def step(self) -> int:
         """schedule -> run -> postprocess; returns how many sequences took part."""
         with self.lock:
-            while not self.inbox.empty():
-                self.scheduler.add(self.inbox.get())
-            self._land(wait=False)  # copies finished meanwhile; an admission waits for the rest
-            self._drop_cancelled()
-            batch = self._fit(self.scheduler.schedule(self._admit, self._cached_depth))
-            if not batch:
-                self._land(wait=True)  # no forward to overlap with: the copies land now
-                return 0
-            out = self.runner.run(batch)
-            self.postprocess(batch, out)
-            return len(batch)
+            self._arrivals()
+            plan = self.scheduler.schedule()
+            self._account(plan)
+            out = self.runner.run(plan.scheduled) if plan.scheduled else None
+            self.postprocess(plan, out)
+            return len(plan.scheduled)
 
-    def _drop_cancelled(self) -> None:
+    def _arrivals(self) -> None:
+        """Before scheduling: new requests join the line, finished copies land (an admission
+        waits for the rest), cancelled sequences end."""
+        while not self.inbox.empty():
+            self.scheduler.add(self.inbox.get())
+        self.snapshots.land(wait=False)
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
-            if seq.should_stop():
+            if seq.reply.should_stop():
                 self._finish(seq, "cancelled")
 
-    def _admit(self, seq: Sequence) -> bool:
-        """Give a waiting sequence its state: a preempted one adopts its parked snapshot;
-        a new one restores the deepest cached prefix. False: memory is full for now."""
-        want = len(seq.tokens) + 1
-        alone = not self.scheduler.running
-        if seq.num_preemptions and seq.parked is None:  # preempted before its first token
-            state = self.memory.allocate(want)
-            if state is None:
-                return False
-            seq.state = state
-        elif seq.parked is not None:
-            state = self.memory.adopt(seq.parked, want)
-            if state is None:
-                if alone:  # it cannot fit even with nothing else running: end the reply here
-                    self.scheduler.waiting.remove(seq)
-                    self._finish(seq, "length")
-                return False
-            seq.state, seq.parked = state, None
-        else:
-            state = self.memory.allocate(want)
-            if state is None:
-                return False
-            seq.state = state
-            self._restore(seq)
+    def _account(self, plan: SchedulerOutput) -> None:
+        """What scheduling did besides the batch: first admissions leave the bounded queue,
+        preemptions are counted, replies memory cannot hold end here."""
+        for seq in plan.admitted:
             seq.queued = False
             self._count_waiting(-1)
             self.stats.requests += 1
             self.stats.prompt_tokens += seq.num_prompt_tokens
-            if seq.policy.enabled:
-                prompt = Prompt(
-                    seq.tokens[: seq.num_prompt_tokens], seq.boundaries, seq.prompt_extends_to_next_turn
-                )
-                seq.save_points = self.save_points(seq.policy, seq.salt, prompt, seq.position)
-                self.recent_prompts.append((seq.salt, array("i", seq.tokens)))
-        return True
-
-    def _cached_depth(self, seq: Sequence) -> int:
-        self._land(wait=True)  # the cache is consulted for an admission: see _land
-        prompt = seq.tokens[: seq.num_prompt_tokens]
-        return self.cache.cached_depth(seq.salt, prompt, seq.boundaries, self.cfg.min_tokens)
+            self.stats.lookups += int(seq.policy.enabled)
+        self.stats.preemptions += len(plan.preempted)
+        for seq in plan.out_of_memory:
+            self._finish(seq, "length")
 
     def _count_waiting(self, delta: int) -> None:
         with self.waiting_lock:
             self.num_waiting += delta
 
-    def _restore(self, seq: Sequence) -> None:
-        if not seq.policy.enabled:
+    def postprocess(self, plan: SchedulerOutput, out: StepOutput | None) -> None:
+        """Sample each batch entry that finished feeding its prompt (snapshots at its save
+        points on the way), end the replies that stop, then their continued checkpoints.
+        No batch (`out` None): the snapshot copies in flight land now."""
+        ended = [s for s in plan.out_of_memory if s.reply.checkpoint]
+        if out is None:
+            self._checkpoint(ended)
+            self.snapshots.land(wait=True)  # no forward to overlap with: the copies land now
             return
-        assert seq.state is not None
-        self._land(wait=True)  # the cache is consulted for an admission: see _land
-        self.stats.lookups += 1
-        t0 = time.perf_counter()
-        alloc = self.restore_target(seq.state) if self.restore_target is not None else None
-        prompt = seq.tokens[: seq.num_prompt_tokens]
-        found = self.cache.find(
-            seq.salt, prompt, seq.boundaries, seq.request.session_hint, self.cfg.min_tokens, alloc
-        )
-        seq.diverged_at = found.diverged_at
-        if found.hit is None:
-            return
-        try:
-            seq.state = self.backend.adopt(found.hit.snapshot, seq.state.capacity, into=seq.state)
-        except ValueError:
-            seq.state.position, seq.state.logits = 0, None  # a mismatch the tier missed: a miss
-            return
-        seq.hit = found.hit
-        seq.restore_s = time.perf_counter() - t0
-
-    def _fit(self, batch: list[Scheduled]) -> list[Scheduled]:
-        """Grow the states that this step outgrows; when memory runs out, preempt the
-        newest running sequences (possibly the one that needed room) until it fits."""
-        keep = list(batch)
-        for b in batch:
-            seq = b.seq
-            if b not in keep or seq.state is None:
-                continue
-            need = seq.state.position + b.num_tokens
-            while need > seq.state.capacity:
-                grown = self.memory.grow(seq.state, need)
-                if grown is not None:
-                    seq.state = grown
-                    break
-                victim = self.scheduler.running[-1]
-                if victim is seq and len(self.scheduler.running) == 1:
-                    self._finish(seq, "length")  # alone and out of memory: end the reply here
-                    keep = [k for k in keep if k.seq is not seq]
-                    break
-                self._preempt(victim)
-                keep = [k for k in keep if k.seq is not victim]
-                if victim is seq:
-                    break
-        return keep
-
-    def _preempt(self, seq: Sequence) -> None:
-        assert seq.state is not None
-        snap = None
-        if seq.state.position > 0:
-            # a synchronous copy, unlike _save's: preemption is rare, and the state is
-            # freed (its memory reused) right below
-            snap = self.backend.export(seq.state).detached()
-            if seq.policy.enabled and seq.state.position >= self.cfg.min_tokens:
-                # also a cache entry (the same host copy: nothing writes a stored snapshot);
-                # the sequence keeps its own reference, so the RAM tier's LRU can never make
-                # it recompute
-                tokens = seq.tokens[: snap.position]
-                self.cache.store(self.cache.key(seq.salt, tokens), tokens, snap, detached=True)
-        self.memory.free(seq.state)
-        seq.state, seq.parked = None, snap
-        seq.status = Status.WAITING
-        seq.num_preemptions += 1
-        self.stats.preemptions += 1
-        self.scheduler.running.remove(seq)
-        self.scheduler.requeue(seq)
-
-    def postprocess(self, batch: list[Scheduled], out: StepOutput) -> None:
         self.stats.steps += 1
         self.stats.step_tokens += out.num_tokens
         self.stats.step_seconds += out.seconds
-        done: list[Sequence] = []
-        for b in batch:
+        done: list[Sequence] = ended
+        for b in plan.scheduled:
             seq = b.seq
             assert seq.state is not None
             share = out.seconds * b.num_tokens / out.num_tokens if out.num_tokens else 0.0
             if b.num_tokens and seq.position <= seq.num_prompt_tokens and not seq.num_generated:
-                seq.prefill_s += share
+                seq.reply.prefill_s += share
                 if seq.position in seq.save_points:
-                    self._save(seq, seq.position)
+                    self.snapshots.save(seq, seq.position)
                 if seq.prefilling:
                     continue
             elif b.num_tokens:
-                seq.decode_s += share
-            if seq.num_generated == 0 and seq.choice == 0:
+                seq.reply.decode_s += share
+            if seq.num_generated == 0 and seq.reply.choice == 0:
                 self._prefilled(seq)
             self._sample(seq, out.logits[seq.seq_id])
-            if seq.finish_reason is not None:
+            if seq.reply.finish_reason is not None:
                 done.append(seq)
-        self._checkpoint([s for s in done if s.checkpoint])
+        self._checkpoint([s for s in done if s.reply.checkpoint])
+        self.stats.snapshots_saved = self.snapshots.num_saved
 
     def _prefilled(self, seq: Sequence) -> None:
         n = seq.num_prompt_tokens - seq.restored
         self.stats.prefill_tokens += n
-        self.stats.prefill_seconds += seq.prefill_s
+        self.stats.prefill_seconds += seq.reply.prefill_s
         if seq.num_preemptions == 0 and n > 0:
-            self.prefill_cost.record(seq.restored, n, seq.prefill_s)
+            self.prefill_cost.record(seq.restored, n, seq.reply.prefill_s)
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> None:
-        if seq.num_generated == 0 and seq.request.n > 1 and seq.choice == 0:
+        if seq.num_generated == 0 and seq.request.n > 1 and seq.reply.choice == 0:
             self._fork(seq)
-        m = seq.matcher
+        m = seq.decoding.matcher
         allowed = None
         if m is not None:
             mask = m.allowed_tokens()
             allowed = lambda x: apply_token_bitmask_(x, mask)  # noqa: E731
         n = seq.num_prompt_tokens
-        pick = seq.sampler(logits, seq.tokens[:n], seq.tokens[n:], allowed)
+        pick = seq.decoding.sampler(logits, seq.tokens[:n], seq.tokens[n:], allowed)
         tok = pick.token
         if m is not None:
             m.advance(tok)
         seq.tokens.append(tok)
-        if seq.t_first_token is None:
-            seq.t_first_token = time.perf_counter()
-        text, stopped = seq.stopper.push(tok)
+        if seq.reply.t_first_token is None:
+            seq.reply.t_first_token = time.perf_counter()
+        text, stopped = seq.decoding.stopper.push(tok)
         if not stopped or text or pick.logprob is not None:
-            seq.emit(TokenEvent(tok, text, seq.choice, pick.logprob, pick.top_logprobs))
+            seq.reply.emit(TokenEvent(tok, text, seq.reply.choice, pick.logprob, pick.top_logprobs))
         if stopped or (m is not None and tok in self.tokenizer.eos_token_ids and m.is_done()):
             self._finish(seq, "stop")
-        elif seq.num_generated >= seq.max_new_tokens:
+        elif seq.num_generated >= seq.decoding.max_new_tokens:
             self._finish(seq, "length")
 
     def _fork(self, parent: Sequence) -> None:
@@ -595,90 +502,54 @@ class Engine:
                 parent,
                 seq_id=next(self.ids),
                 tokens=list(parent.tokens),
-                sampler=Sampler(params, _rules(req), choice),
-                stopper=StopChecker(
-                    self.tokenizer.stream_decoder(), params.stop, parent.stopper.stop_token_ids
+                decoding=replace_seq(
+                    parent.decoding,
+                    sampler=Sampler(params, _rules(req), choice),
+                    stopper=StopChecker(
+                        self.tokenizer.stream_decoder(), params.stop, parent.decoding.stopper.stop_token_ids
+                    ),
+                    matcher=self._matcher(req, choice),
                 ),
+                reply=replace_seq(parent.reply, choice=choice, t_first_token=None, checkpoint=False),
                 status=Status.WAITING,
                 state=None,
                 parked=snap,
                 save_points=[],
+                probe=None,
                 queued=False,
-                choice=choice,
-                group=parent.group,
-                matcher=self._matcher(req, choice),
-                t_first_token=None,
-                checkpoint=False,
             )
-            parent.group.append(child)
+            parent.reply.group.append(child)
             self.scheduler.requeue(child)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         """Send the reply's end; free the state unless a continued checkpoint follows
         (this step's `_checkpoint`)."""
-        seq.finish_reason = reason
-        rest = seq.stopper.finish(flush=reason == "length")
+        seq.reply.finish_reason = reason
+        rest = seq.decoding.stopper.finish(flush=reason == "length")
         if rest:
-            seq.emit(TokenEvent(seq.tokens[-1] if seq.num_generated else -1, rest, seq.choice))
+            seq.reply.emit(TokenEvent(seq.tokens[-1] if seq.num_generated else -1, rest, seq.reply.choice))
         self.stats.completion_tokens += seq.num_generated
-        seq.checkpoint = (
-            seq.choice == 0
+        seq.reply.checkpoint = (
+            seq.reply.choice == 0
             and seq.policy.mode == "full"
             and reason != "cancelled"
             and seq.num_generated > 0
             and seq.state is not None
             and len(seq.tokens) <= self.cfg.max_context
         )
-        key = self.cache.key(seq.salt, seq.tokens) if seq.checkpoint else None
-        seq.emit(self._finish_event(seq, key))
-        if not seq.checkpoint:
+        key = self.cache.key(seq.salt, seq.tokens) if seq.reply.checkpoint else None
+        seq.reply.emit(self._finish_event(seq, key))
+        if not seq.reply.checkpoint:
             self._release(seq)
 
     def _checkpoint(self, seqs: list[Sequence]) -> None:
-        """Feed each finished sequence's last token in one batched forward and save the
-        state covering prompt + reply under exactly those tokens (after the replies are
-        out, before any new request is admitted)."""
+        """The finished sequences' continued checkpoints (snapshot_pipeline), then their
+        states are released."""
         if not seqs:
             return
-        room = []
+        self.snapshots.checkpoint(seqs, self.memory, self.runner)
         for seq in seqs:
-            assert seq.state is not None
-            if seq.state.position + 1 > seq.state.capacity:
-                grown = self.memory.grow(seq.state, seq.state.position + 1)
-                if grown is None:
-                    self._release(seq)  # no room for one more row: skip this checkpoint
-                    continue
-                seq.state = grown
-            room.append(seq)
-        if room:
-            self.runner.run([Scheduled(s, 1) for s in room])
-            for seq in room:
-                self._save(seq, len(seq.tokens))
-                self._release(seq)
-
-    def _save(self, seq: Sequence, position: int) -> None:
-        """Start the host copy of the state at `position` without waiting for it; the
-        copy enters the cache when it lands (at once on the CPU)."""
-        assert seq.state is not None and seq.state.position == position
-        tokens = seq.tokens[:position]
-        key = self.cache.key(seq.salt, tokens)
-        if not self.cache.holds(key):  # stored already: no copy
-            self.copies.append((key, tokens, self.copier.start(self.backend.export(seq.state))))
-        self.stats.snapshots_saved += 1
-        self._land(wait=False)
-
-    def _land(self, wait: bool) -> None:
-        """Hand finished snapshot copies to the cache, oldest first, stopping at the first
-        still in flight; `wait`: wait for each instead. In order, so the tiers see the
-        snapshots as a synchronous copy would have stored them. Every cache lookup for an
-        admission waits for all of them first (`_restore`, `_cached_depth`): whether a
-        prompt reuses a prefix an earlier step saved never depends on copy timing."""
-        while self.copies:
-            key, tokens, pending = self.copies[0]
-            if not wait and not pending.done():
-                return
-            self.copies.popleft()
-            self.cache.store(key, tokens, pending.wait(), detached=True)
+            self._release(seq)
 
     def abandon(self, seq: Sequence) -> None:
         """Drop a sequence without a finish event (its step failed); frees its memory."""
@@ -693,7 +564,7 @@ class Engine:
         self.scheduler.remove(seq)
         if seq.state is not None:
             self.memory.free(seq.state)
-        if seq.hit is not None and seq.choice == 0:
+        if seq.hit is not None and seq.reply.choice == 0:
             self.cache.promote(seq.hit)  # off the TTFT path; the hit's rows were never rewritten
         seq.state, seq.parked = None, None
         seq.status = Status.FINISHED
@@ -702,67 +573,45 @@ class Engine:
         hit = seq.hit
         restored = seq.restored
         saved_s = 0.0
-        if hit is not None and seq.choice == 0:  # the request's restore, counted once
+        if hit is not None and seq.reply.choice == 0:  # the request's restore, counted once
             tier = hit.source
             self.stats.hits_by_tier[tier] += 1
             self.stats.hit_tokens_by_tier[tier] += restored
-            self.stats.restore_seconds += seq.restore_s
+            self.stats.restore_seconds += seq.reply.restore_s
             self.stats.restore_bytes += hit.num_bytes
             cold = self.prefill_cost.saved(restored, seq.num_prompt_tokens)
             if cold is not None:
-                saved_s = max(0.0, cold - seq.restore_s)
+                saved_s = max(0.0, cold - seq.reply.restore_s)
                 self.stats.prefill_saved_seconds += saved_s
         now = time.perf_counter()
-        first = seq.t_first_token if seq.t_first_token is not None else now
+        first = seq.reply.t_first_token if seq.reply.t_first_token is not None else now
         n = seq.num_generated
         prompt_len = seq.num_prompt_tokens
         timings = Timings(
             cache_source=hit.source if hit else "none",
             restored_tokens=restored,
-            restore_ms=seq.restore_s * 1000,
+            restore_ms=seq.reply.restore_s * 1000,
             restore_bytes=hit.num_bytes if hit else 0,
-            prefill_tokens=prompt_len - restored if seq.finish_reason != "cancelled" or n else 0,
-            prefill_ms=seq.prefill_s * 1000,
-            decode_ms=seq.decode_s * 1000,
-            ttft_ms=(first - seq.t_arrival) * 1000,
+            prefill_tokens=prompt_len - restored if seq.reply.finish_reason != "cancelled" or n else 0,
+            prefill_ms=seq.reply.prefill_s * 1000,
+            decode_ms=seq.reply.decode_s * 1000,
+            ttft_ms=(first - seq.reply.t_arrival) * 1000,
             prefill_saved_ms=saved_s * 1000,
-            decode_tokens_per_sec=(n / seq.decode_s) if seq.decode_s > 0 else 0.0,
-            diverged_at=seq.diverged_at,
+            decode_tokens_per_sec=(n / seq.reply.decode_s) if seq.reply.decode_s > 0 else 0.0,
+            diverged_at=seq.reply.diverged_at,
         )
         return FinishEvent(
-            seq.finish_reason or "stop",
-            seq.stopper.text,
+            seq.reply.finish_reason or "stop",
+            seq.decoding.stopper.text,
             prompt_len,
             n,
             restored,
             timings,
             key,
             len(seq.tokens) if key else 0,
-            seq.choice,
-            seq.stopper.matched,
+            seq.reply.choice,
+            seq.decoding.stopper.matched,
         )
-
-    def save_points(self, policy: Policy, salt: str, prompt: Prompt, restored: int) -> list[int]:
-        """Positions during this prefill where a snapshot is taken (deeper than the
-        restored state, at least min_tokens)."""
-        tokens, n = prompt.tokens, len(prompt.tokens)
-        points: set[int] = set()
-        inner = [b for b in prompt.boundaries if 0 < b < n]
-        if policy.mode == "full":
-            points.add(n)  # exact repeat of this prompt, and the next turn when the prompt extends to it
-            if inner:
-                points.add(inner[0])  # a shared system prompt
-                if not prompt.extends_to_next_turn:
-                    points.add(inner[-1])  # the history before this turn's reply: where the next turn forks
-        elif policy.mode == "auto":
-            recent = [toks for s, toks in list(self.recent_prompts)[-policy.window :] if s == salt]
-            lcp = max((diverged_at(tokens, toks) for toks in recent), default=0)
-            floored = [b for b in inner if b <= lcp]
-            if floored:
-                points.add(floored[-1])
-        elif policy.mode == "fixed":
-            points.add(min(policy.num_tokens, n))
-        return sorted(p for p in points if p > restored and p >= self.cfg.min_tokens)
 
     # -- conveniences (tests, CLI) -------------------------------------------------
     def generate(
@@ -776,7 +625,7 @@ class Engine:
         (after the continued checkpoint)."""
         events: deque[Event] = deque()
         seq = self.submit(req, events.append, should_stop, prompt)
-        while any(s.status is not Status.FINISHED for s in seq.group) or len(seq.group) < req.n:
+        while any(s.status is not Status.FINISHED for s in seq.reply.group) or len(seq.reply.group) < req.n:
             self.step()
             while events:
                 yield events.popleft()
@@ -794,7 +643,7 @@ class Engine:
 
     def flush(self) -> None:
         with self.lock:
-            self._land(wait=True)
+            self.snapshots.land(wait=True)
         if self.cache.disk is not None:
             self.cache.disk.flush()
 

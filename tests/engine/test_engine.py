@@ -293,17 +293,17 @@ def test_policies_choose_snapshot_points(tiny_dense_model: Path) -> None:
         inner = [b for b in prompt.boundaries if 0 < b < n]
         # ChatML: the whole prompt is a prefix of the next turn's, so the history end is not saved
         assert prompt.extends_to_next_turn
-        assert engine.save_points(Policy("full"), "", prompt, 0) == sorted({inner[0], n})
+        assert engine.snapshots.save_points(Policy("full"), "", prompt, 0) == sorted({inner[0], n})
         forks = Prompt(prompt.tokens, prompt.boundaries, extends_to_next_turn=False)
-        assert engine.save_points(Policy("full"), "", forks, 0) == sorted({inner[0], inner[-1], n})
-        assert engine.save_points(Policy("fixed", num_tokens=20), "", prompt, 0) == [20]
-        assert engine.save_points(Policy("fixed", num_tokens=20), "", prompt, 25) == []
-        assert engine.save_points(Policy("off"), "", prompt, 0) == []
+        assert engine.snapshots.save_points(Policy("full"), "", forks, 0) == sorted({inner[0], inner[-1], n})
+        assert engine.snapshots.save_points(Policy("fixed", num_tokens=20), "", prompt, 0) == [20]
+        assert engine.snapshots.save_points(Policy("fixed", num_tokens=20), "", prompt, 25) == []
+        assert engine.snapshots.save_points(Policy("off"), "", prompt, 0) == []
         # auto: the longest common prefix with recent prompts, floored to a turn boundary
-        assert engine.save_points(Policy("auto", window=5), "", prompt, 0) == []
-        engine.recent_prompts.append(("", array("i", prompt.tokens[: inner[0]] + [1, 2, 3])))
-        assert engine.save_points(Policy("auto", window=5), "", prompt, 0) == [inner[0]]
-        assert engine.save_points(Policy("auto", window=5), "other-tenant", prompt, 0) == []
+        assert engine.snapshots.save_points(Policy("auto", window=5), "", prompt, 0) == []
+        engine.snapshots.recent_prompts.append(("", array("i", prompt.tokens[: inner[0]] + [1, 2, 3])))
+        assert engine.snapshots.save_points(Policy("auto", window=5), "", prompt, 0) == [inner[0]]
+        assert engine.snapshots.save_points(Policy("auto", window=5), "other-tenant", prompt, 0) == []
     finally:
         engine.close()
 

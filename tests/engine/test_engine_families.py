@@ -307,7 +307,7 @@ def test_boundary_snapshots_split_prefill_and_restore_bit_exactly(
         ]
         prompt = engine.prepare(_req(msgs))
         tokens, n = prompt.tokens, len(prompt.tokens)
-        points = engine.save_points(Policy("full"), "", prompt, 0)
+        points = engine.snapshots.save_points(Policy("full"), "", prompt, 0)
         inner = [b for b in prompt.boundaries if 0 < b < n]
         # ChatML: the whole prompt extends to the next turn, so the history end is not a point
         assert prompt.extends_to_next_turn and points == [inner[0], n]

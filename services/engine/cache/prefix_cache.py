@@ -40,8 +40,21 @@ class Hit:
 
 
 @dataclass(frozen=True)
+class Probe:
+    """One prompt's candidate prefix lengths, deepest first, and their keys (hashed once per
+    admission), and the deepest of them some tier holds by key alone (0: none)."""
+
+    salt: str
+    tokens: tuple[int, ...]
+    lengths: tuple[int, ...]
+    keys: tuple[str, ...]
+    hint: SessionHint | None
+    depth: int
+
+
+@dataclass(frozen=True)
 class Lookup:
-    """What `PrefixCache.find` says about a prompt: the deepest usable entry (None: a
+    """What `PrefixCache.read` says about a prompt: the deepest usable entry (None: a
     miss) and, when the session's last prefix was not reached, where the prompt left it."""
 
     hit: Hit | None
@@ -88,53 +101,39 @@ class PrefixCache:
             out.update(self.disk.known_lengths())
         return out
 
-    def find(
+    def probe(
         self,
         salt: str,
         tokens: Sequence[int],
         boundaries: Iterable[int],
         hint: SessionHint | None,
         min_tokens: int,
-        alloc: Alloc | None = None,
-    ) -> Lookup:
-        """The engine's one question to the cache: the deepest cached prefix of `tokens`
-        (probing the hint, the whole prompt, turn boundaries and every stored length).
-        A miss against the session's last prefix is explained only when that entry was
-        keyed with the caller's salt: another tenant's key never yields a position."""
+    ) -> Probe:
+        """The prompt's candidate prefixes (the hint, the whole prompt, turn boundaries and
+        every stored length), hashed once, and how deep a prefix some tier holds by key
+        alone: nothing is read or validated (a scheduling estimate, not a hit)."""
         lengths = candidate_lengths(len(tokens), boundaries, self.known_lengths(), hint, min_tokens)
-        hit = self.lookup(salt, tokens, lengths, alloc)
-        diverged = None
+        keys = prefix_keys(self.namespace, salt, tokens, lengths)  # one hashing pass for all lengths
+        depth = next((n for n, key in zip(lengths, keys, strict=True) if self._holds_any(key)), 0)
+        return Probe(salt, tuple(tokens), tuple(lengths), tuple(keys), hint, depth)
+
+    def read(self, probe: Probe, alloc: Alloc | None = None) -> Lookup:
+        """The engine's one question to the cache: the deepest usable entry among `probe`'s
+        candidates (keys hashed by `probe`). A miss against the session's last prefix is
+        explained only when that entry was keyed with the caller's salt: another tenant's
+        key never yields a position."""
+        hit = None
+        for n, key in zip(probe.lengths, probe.keys, strict=True):
+            hit = self._probe(key, list(probe.tokens[:n]), alloc)
+            if hit is not None:
+                break
+        hint, tokens, diverged = probe.hint, probe.tokens, None
         if hint is not None and (hit is None or hit.num_key_tokens < hint.num_tokens):
             last = self.stored_tokens(hint.key)
-            if last is not None and self.key(salt, last) == hint.key:
+            if last is not None and self.key(probe.salt, last) == hint.key:
                 d = diverged_at(tokens, last)
                 diverged = d if d < min(len(last), len(tokens)) else None  # a real difference
         return Lookup(hit, diverged)
-
-    def lookup(
-        self, salt: str, tokens: Sequence[int], lengths: Sequence[int], alloc: Alloc | None = None
-    ) -> Hit | None:
-        """The deepest hit among `lengths`. `alloc` lets a disk hit be read straight
-        into the caller's memory (see snapshot_file.Alloc); such a hit is `aliased`."""
-        keys = prefix_keys(self.namespace, salt, tokens, lengths)  # one hashing pass for all lengths
-        for n, key in zip(lengths, keys, strict=True):
-            hit = self._probe(key, list(tokens[:n]), alloc)
-            if hit is not None:
-                return hit
-        return None
-
-    def cached_depth(
-        self, salt: str, tokens: Sequence[int], boundaries: Iterable[int], min_tokens: int
-    ) -> int:
-        """The deepest prefix length of `tokens` some tier holds an entry for (0: none),
-        by key alone: nothing is read or validated (a scheduling estimate, not a hit)."""
-        lengths = candidate_lengths(len(tokens), boundaries, self.known_lengths(), None, min_tokens)
-        for n, key in zip(lengths, prefix_keys(self.namespace, salt, tokens, lengths), strict=True):
-            if (self.memory is not None and key in self.memory) or (
-                self.disk is not None and self.disk.contains(key)
-            ):
-                return n
-        return 0
 
     def promote(self, hit: Hit) -> None:
         """Put an aliased disk hit into the RAM tier (a copy: the alias is reused later)."""
@@ -174,6 +173,12 @@ class PrefixCache:
                     aliased=alloc is not None,
                 )
         return None
+
+    def _holds_any(self, key: str) -> bool:
+        """Whether some tier stores `key` (by key alone)."""
+        return (self.memory is not None and key in self.memory) or (
+            self.disk is not None and self.disk.contains(key)
+        )
 
     def _missing(self, key: str) -> tuple[bool, bool]:
         """Whether the RAM tier and the disk tier lack `key` (a tier that is off lacks nothing)."""

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from keepwarm.engine.generation.decode_graph import DecodeGraphs
-from keepwarm.engine.generation.scheduler import Scheduled
+from keepwarm.engine.generation.scheduler_output import Scheduled
 from keepwarm.engine.models.backend import Backend
 
 

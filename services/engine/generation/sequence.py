@@ -1,8 +1,10 @@
 """The unit the engine schedules: one prompt being prefilled, then decoded.
 
-A sequence owns its state (or, while preempted, the snapshot it was parked as),
-its tokens (prompt then reply), sampler, stop checker, cache policy and save
-points, and its timings. Invariants:
+A sequence owns what the scheduler needs: its state (or, while preempted, the
+snapshot it was parked as), its tokens (prompt then reply), cache policy, save
+points and the cache's answer; `Decoding` holds what the sampler needs (sampler,
+stop checker, grammar matcher, token limit) and `Reply` what the reply needs (where
+its events go, how it ended, the n > 1 group, its timings). Invariants:
   - `tokens[:state.position]` is exactly what the state covers;
   - while decoding, position == len(tokens) - 1: the last sampled token is fed next;
   - `state` is None unless the sequence is RUNNING.
@@ -16,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from keepwarm.engine.cache.policy import Policy
-from keepwarm.engine.cache.prefix_cache import Hit
+from keepwarm.engine.cache.prefix_cache import Hit, Probe
 from keepwarm.engine.cache.snapshot import Snapshot
 from keepwarm.engine.generation.grammar import TokenMatcher
 from keepwarm.engine.generation.request import FinishEvent, GenerateRequest, TokenEvent
@@ -27,6 +29,13 @@ from keepwarm.engine.models.backend import State
 Event = TokenEvent | FinishEvent
 
 
+@dataclass(frozen=True)
+class Prompt:
+    tokens: list[int]
+    boundaries: list[int]  # token positions where each chat message ends
+    extends_to_next_turn: bool = False  # the next turn's prompt starts with all of `tokens`
+
+
 class Status(enum.Enum):
     WAITING = "waiting"  # not admitted yet, or preempted (then `parked` holds its snapshot)
     RUNNING = "running"
@@ -34,37 +43,58 @@ class Status(enum.Enum):
 
 
 @dataclass(eq=False)
+class Decoding:
+    """What the sampler needs: how the next token is picked and when the reply stops."""
+
+    sampler: Sampler
+    stopper: StopChecker
+    max_new_tokens: int
+    matcher: TokenMatcher | None = None  # constrained decoding (response_format, tool_choice)
+
+
+@dataclass(eq=False)
+class Reply:
+    """What the reply needs: where its events go, how it ended, and its timings."""
+
+    on_event: Callable[[Event], None]
+    should_stop: Callable[[], bool]
+    choice: int = 0  # which of the request's n choices this is
+    group: list[Sequence] = field(default_factory=list)  # every choice of the request (n > 1)
+    finish_reason: str | None = None
+    checkpoint: bool = False  # after finishing: feed the last token and save prompt + reply
+    diverged_at: int | None = None  # where the prompt left the session's last prefix
+    t_arrival: float = field(default_factory=time.perf_counter)
+    t_first_token: float | None = None
+    restore_s: float = 0.0
+    prefill_s: float = 0.0  # this sequence's share of the steps that prefilled it
+    decode_s: float = 0.0
+
+    def emit(self, ev: Event) -> None:
+        self.on_event(ev)
+
+
+@dataclass(eq=False)
 class Sequence:
+    """What the scheduler needs (tokens, state, policy, save points, the cache's answer),
+    with the sampler's part (`decoding`) and the reply's (`reply`)."""
+
     seq_id: int
     request: GenerateRequest
     tokens: list[int]  # prompt, then each sampled token
     num_prompt_tokens: int
     boundaries: list[int]  # prompt positions where chat messages end
     policy: Policy
-    sampler: Sampler
-    stopper: StopChecker
-    max_new_tokens: int
-    on_event: Callable[[Event], None]
-    should_stop: Callable[[], bool]
+    decoding: Decoding
+    reply: Reply
     status: Status = Status.WAITING
     state: State | None = None
     parked: Snapshot | None = None  # the state of a preempted sequence (also in the RAM tier)
     save_points: list[int] = field(default_factory=list)  # absolute prompt positions to snapshot at
     prompt_extends_to_next_turn: bool = False  # the next turn's prompt starts with the whole prompt
-    hit: Hit | None = None
-    diverged_at: int | None = None
-    finish_reason: str | None = None
-    checkpoint: bool = False  # after finishing: feed the last token and save prompt + reply
-    t_arrival: float = field(default_factory=time.perf_counter)
-    t_first_token: float | None = None
-    restore_s: float = 0.0
-    prefill_s: float = 0.0  # this sequence's share of the steps that prefilled it
-    decode_s: float = 0.0
+    probe: Probe | None = None  # the admission's one cache lookup, until it is admitted
+    hit: Hit | None = None  # the cached prefix its state was restored from
     num_preemptions: int = 0
     queued: bool = True  # counted in the engine's bounded waiting queue (until first admitted)
-    choice: int = 0  # which of the request's n choices this is
-    group: list[Sequence] = field(default_factory=list)  # every choice of the request (n > 1)
-    matcher: TokenMatcher | None = None  # constrained decoding (response_format, tool_choice)
 
     @property
     def salt(self) -> str:
@@ -96,6 +126,3 @@ class Sequence:
     def next_save_point(self) -> int | None:
         p = self.position
         return next((s for s in self.save_points if s > p), None)
-
-    def emit(self, ev: Event) -> None:
-        self.on_event(ev)

@@ -66,7 +66,7 @@ def test_every_snapshot_of_a_request_is_cached_when_it_returns(
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER_TURNS[0]}]
         req = _req(messages, Policy("full"))
         prompt = engine.prepare(req)
-        points = engine.save_points(Policy("full"), "", prompt, 0)
+        points = engine.snapshots.save_points(Policy("full"), "", prompt, 0)
         assert len(points) == 2  # the system prompt's end and the whole prompt
         first = engine.complete(req)
         assert (
@@ -76,7 +76,7 @@ def test_every_snapshot_of_a_request_is_cached_when_it_returns(
         keys = [engine.cache.key("", prompt.tokens[:p]) for p in points] + [first.prefix_key]
         assert engine.cache.memory is not None and engine.cache.disk is not None
         assert all(k in engine.cache.memory and engine.cache.disk.contains(k) for k in keys)
-        assert not engine.copies and not engine.has_work()
+        assert not engine.snapshots.copies and not engine.has_work()
         assert engine.stats.snapshots_saved == 3
         # a second user behind the same system prompt restores it
         other = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER_TURNS[1]}]
@@ -107,20 +107,20 @@ def test_pending_copies_land_oldest_first_and_a_step_with_no_work_waits_for_them
         a.finish()
         c.finish()
         for salt, copy in (("a", a), ("b", b), ("c", c)):
-            engine.copies.append((engine.cache.key(salt, tokens), list(tokens), copy.pending(snap)))
+            engine.snapshots.copies.append((engine.cache.key(salt, tokens), list(tokens), copy.pending(snap)))
         memory = engine.cache.memory
         assert memory is not None
         key = {s: engine.cache.key(s, tokens) for s in "abc"}
-        engine._land(wait=False)
+        engine.snapshots.land(wait=False)
         assert memory.keys() == [key["a"]]  # c is done but waits behind b
-        assert len(engine.copies) == 2 and engine.has_work()
+        assert len(engine.snapshots.copies) == 2 and engine.has_work()
         b.finish()
-        engine._land(wait=False)
+        engine.snapshots.land(wait=False)
         assert memory.keys() == [key["a"], key["b"], key["c"]] and b.waits == 0
         assert not engine.has_work()
         # a step with nothing to schedule lands what is still in flight, waiting for it
         d = InFlight()
-        engine.copies.append((engine.cache.key("d", tokens), list(tokens), d.pending(snap)))
+        engine.snapshots.copies.append((engine.cache.key("d", tokens), list(tokens), d.pending(snap)))
         assert engine.has_work()
         assert engine.step() == 0
         assert d.waits == 1 and memory.keys()[-1] == engine.cache.key("d", tokens)
@@ -146,7 +146,7 @@ def test_an_admission_waits_for_pending_copies_and_a_step_that_admits_none_does_
         assert found is not None
         memory.remove(key)  # the prompt's snapshot is now only a copy in flight
         flight = InFlight()
-        engine.copies.append((engine.cache.key("", found[0]), found[0], flight.pending(found[1])))
+        engine.snapshots.copies.append((engine.cache.key("", found[0]), found[0], flight.pending(found[1])))
         # a request that consults no cache is admitted and runs without waiting
         other = engine.submit(_request(_prompt(rng, 10, vocab), 8, "off"), lambda ev: None)
         assert engine.step() == 1 and other.state is not None
