@@ -27,7 +27,7 @@ from snapshot_fixtures import (
 
 from keepwarm.engine.cache import disk_cache as disk_cache_module
 from keepwarm.engine.cache.disk_cache import HALF_LIFE_S, DiskCache, DiskCacheStats
-from keepwarm.engine.cache.namespace import prefix_key
+from keepwarm.engine.cache.prefix_key import prefix_key
 from keepwarm.engine.cache.snapshot import Snapshot
 from keepwarm.engine.cache.snapshot_file import encode_snapshot, write_snapshot
 
