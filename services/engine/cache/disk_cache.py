@@ -80,12 +80,13 @@ from pathlib import Path
 
 from keepwarm.engine.cache.index import EVICTING, LIVE, NAME, WRITING, CacheIndex, Claim, Row, decay
 from keepwarm.engine.cache.index_protocol import INDEX_ERRORS, INDEX_KINDS, Index
+from keepwarm.engine.cache.no_follow import DIR_FLAGS, unlink_tmp
 from keepwarm.engine.cache.snapshot import Snapshot
+from keepwarm.engine.cache.snapshot_error import SnapshotFileError
 from keepwarm.engine.cache.snapshot_file import (
     SUFFIX,
     TMP_SUFFIX,
     Alloc,
-    SnapshotFileError,
     encode_snapshot,
     publish,
     read_header,
@@ -94,7 +95,6 @@ from keepwarm.engine.cache.snapshot_file import (
     read_tokens,
     tmp_writer_pid,
     unlink_if_ours,
-    unlink_tmp,
 )
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,6 @@ HALF_LIFE_S = 6 * 3600.0
 FLOOR_FRACTION = 0.05  # default free-space floor: this share of the volume ...
 FLOOR_CAP = 1 << 30  # ... at most this many bytes
 _NAMESPACE_FILES = ("prefill_cost.json",)  # ours, not snapshots (generation/prefill_cost.py)
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
 _ENOSPC_RETRIES = 3
 
@@ -717,7 +716,7 @@ class DiskCache:
     @staticmethod
     def _open_dir(name: str, dir_fd: int, out: _Scan) -> int | None:
         try:
-            return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+            return os.open(name, DIR_FLAGS, dir_fd=dir_fd)
         except FileNotFoundError:
             return None
         except OSError:
