@@ -4,7 +4,7 @@ A snapshot may only ever be adopted by the exact model that wrote it, so the
 namespace hashes everything that changes the meaning of the state bytes:
 snapshot format version, family, the weights' *content* (not their path), the
 tokenizer, the chat template, the runtime dtype and the tensor layout (names,
-dtypes, shapes with the length dimension normalized; see Geometry.layout_id).
+dtypes, shapes with the length dimension normalized; see models/geometry.py, Geometry.layout_id).
 
 Hashes here are cryptographic or content hashes with fixed seeds; never
 Python's `hash()`, which is salted per process.
