@@ -32,7 +32,7 @@ from cache_faults import NAMESPACE, geometry, index_args, make_snapshot, validat
 from keepwarm.engine.cache.disk_cache import DiskCache
 from keepwarm.engine.cache.index import Row
 from keepwarm.engine.cache.index_protocol import Index
-from keepwarm.engine.cache.namespace import prefix_key
+from keepwarm.engine.cache.prefix_key import prefix_key
 from keepwarm.engine.cache.snapshot import Snapshot
 from keepwarm.engine.cache.snapshot_file import unlink_if_ours
 

@@ -22,7 +22,7 @@ from snapshot_fixtures import (  # noqa: E402
 )
 
 from keepwarm.engine.cache.disk_cache import DiskCache  # noqa: E402
-from keepwarm.engine.cache.namespace import prefix_key  # noqa: E402
+from keepwarm.engine.cache.prefix_key import prefix_key  # noqa: E402
 
 __all__ = [
     "NAMESPACE",

@@ -28,8 +28,9 @@ from cache_faults import (
 )
 
 from keepwarm.engine.cache.index import DB_NAME, IndexUnusable
-from keepwarm.engine.cache.snapshot import LOGITS, Geometry, Snapshot, TensorSpec
+from keepwarm.engine.cache.snapshot import LOGITS, Snapshot
 from keepwarm.engine.cache.snapshot_file import TOKENS, read_header, write_snapshot
+from keepwarm.engine.models.geometry import Geometry, TensorSpec
 
 
 def test_flipped_bytes_anywhere_are_never_adopted(tmp_path: Path) -> None:

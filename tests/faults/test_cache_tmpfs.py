@@ -15,7 +15,8 @@ import pytest
 from cache_fault_worker import VALIDATE, entry_key, entry_snapshot, loop_tokens
 from cache_faults import NAMESPACE, flush, same_bytes
 
-from keepwarm.engine.cache.disk_cache import DiskCache, default_min_free
+from keepwarm.engine.cache.disk_cache import DiskCache
+from keepwarm.engine.cache.eviction import default_min_free
 from keepwarm.engine.config import config_from
 
 SIZE = 4 << 20

@@ -1,5 +1,11 @@
 """The persistent prefix cache: snapshot files under one folder (docs/architecture.md, 'Disk tier').
 
+This file is the tier's API (start/close, contains, save, load, stats, entries, clear); its
+parts each have their own file: writer.py (the writer thread, ENOSPC retries), reconcile.py
+(the folder scan and index upkeep), eviction.py (budget and free-space floor), disk_state.py
+(the settings, counters and error channels they share). The paragraphs below describe the
+tier as a whole.
+
 Layout: `<root>/<namespace>/<key[:2]>/<key>.safetensors` (snapshot_file.py), and the
 index shared by every process on the folder (index_protocol.py), picked by `index`:
 `<root>/index.sqlite3` (index.py, one host), or a Valkey server at `index_url`
@@ -62,12 +68,10 @@ database is rebuilt this way.
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import queue
 import secrets
-import shutil
 import socket
 import stat
 import sys
@@ -75,37 +79,26 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from keepwarm.engine.cache.index import EVICTING, LIVE, NAME, WRITING, CacheIndex, Claim, Row, decay
+from keepwarm.engine.cache.disk_state import Counters
+from keepwarm.engine.cache.eviction import default_min_free, disk_free, disk_total
+from keepwarm.engine.cache.index import LIVE, NAME, WRITING, CacheIndex, Row, decay
 from keepwarm.engine.cache.index_protocol import INDEX_ERRORS, INDEX_KINDS, Index
 from keepwarm.engine.cache.snapshot import Snapshot
+from keepwarm.engine.cache.snapshot_error import SnapshotFileError
 from keepwarm.engine.cache.snapshot_file import (
-    SUFFIX,
-    TMP_SUFFIX,
     Alloc,
-    SnapshotFileError,
-    encode_snapshot,
-    publish,
-    read_header,
-    read_identity,
     read_snapshot,
     read_tokens,
-    tmp_writer_pid,
-    unlink_if_ours,
-    unlink_tmp,
 )
+from keepwarm.engine.cache.write_job import WriteJob
+from keepwarm.engine.cache.writer import Writer
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(__name__)  # disk_state.py logs under this name too
 
 HALF_LIFE_S = 6 * 3600.0
-FLOOR_FRACTION = 0.05  # default free-space floor: this share of the volume ...
-FLOOR_CAP = 1 << 30  # ... at most this many bytes
-_NAMESPACE_FILES = ("prefill_cost.json",)  # ours, not snapshots (generation/prefill_cost.py)
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
-_ENOSPC_RETRIES = 3
 
 
 @dataclass(frozen=True)
@@ -158,71 +151,7 @@ class DiskCacheStats:
     min_free_bytes: int
 
 
-@dataclass
-class _Job:
-    key: str
-    tokens: list[int]
-    snapshot: Snapshot
-
-
-@dataclass
-class _Counters:
-    saves: int = 0
-    dropped_saves: int = 0
-    refused_saves: int = 0
-    refused_for_space: int = 0
-    write_errors: int = 0
-    enospc: int = 0
-    evictions: int = 0
-    hits: int = 0
-    misses: int = 0
-    garbage_rows: int = 0
-    bytes_read: int = 0
-    read_seconds: float = 0.0
-    rejected: Counter[str] = field(default_factory=Counter)
-    errors: Counter[str] = field(default_factory=Counter)
-
-
-@dataclass
-class _Scan:
-    files: dict[tuple[str, str], int] = field(default_factory=dict)  # (namespace, key) -> size
-    tmps: list[tuple[Path, float]] = field(default_factory=list)  # (path, mtime)
-    foreign: Counter[str] = field(default_factory=Counter)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _disk_free(path: Path) -> int:
-    return shutil.disk_usage(path).free
-
-
-def _disk_total(path: Path) -> int:
-    return shutil.disk_usage(path).total
-
-
-def default_min_free(total_bytes: int) -> int:
-    """The default free-space floor of a volume: 5% of it, at most 1 GiB."""
-    return min(int(total_bytes * FLOOR_FRACTION), FLOOR_CAP)
-
-
-def _kind(entry: os.DirEntry[str]) -> str:
-    """What a folder entry that is not a regular file is."""
-    if entry.is_symlink():
-        return "symlink"
-    if entry.is_dir(follow_symlinks=False):
-        return "directory"
-    return "not_regular"
-
-
-class DiskCache:
+class DiskCache(Writer):
     """Snapshot files of one namespace under a shared, budgeted root (see module docstring)."""
 
     def __init__(
@@ -240,8 +169,8 @@ class DiskCache:
         half_life_s: float = HALF_LIFE_S,
         stale_s: float = 600.0,
         refresh_s: float = 60.0,
-        disk_free: Callable[[Path], int] = _disk_free,
-        disk_total: Callable[[Path], int] = _disk_total,
+        disk_free: Callable[[Path], int] = disk_free,
+        disk_total: Callable[[Path], int] = disk_total,
         block_bytes: int = 4096,
         index_slack: int = 64 << 10,
         index: str = "sqlite",
@@ -296,11 +225,11 @@ class DiskCache:
         self._lock = threading.RLock()
         self._pending: set[str] = set()
         self._protected: Counter[str] = Counter()
-        self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=queue_size)
+        self._queue: queue.Queue[WriteJob | None] = queue.Queue(maxsize=queue_size)
         self._queued_bytes = 0  # snapshot bytes of the jobs in the queue or being written
         self._thread: threading.Thread | None = None
         self._closed = False
-        self._n = _Counters()
+        self._n = Counters()
         self._foreign: Counter[str] = Counter()
         self._logged: set[str] = set()
         self._idx: Index | None = None  # request side
@@ -430,7 +359,7 @@ class DiskCache:
         try:
             if self._indexed(key):
                 return False
-            job = _Job(key, list(tokens), snapshot if detached else snapshot.detached())
+            job = WriteJob(key, list(tokens), snapshot if detached else snapshot.detached())
             try:
                 self._queue.put_nowait(job)
                 queued = True
@@ -602,439 +531,3 @@ class DiskCache:
         claimed = idx.claim_keys(keys, time.time())
         deleted = self._delete_claimed(idx, claimed, count=False)
         return deleted
-
-    # ---- internals: paths, errors ----------------------------------------------------
-
-    def _path(self, namespace: str, key: str) -> Path:
-        if not NAME.fullmatch(key):
-            raise ValueError(f"key {key!r} must be 4-128 chars of [0-9A-Za-z_-] (use prefix_key())")
-        return self.root / namespace / key[:2] / f"{key}{SUFFIX}"
-
-    def _ridx(self) -> Index:
-        assert self._idx is not None, "DiskCache used before start()"
-        return self._idx
-
-    def _widx_(self) -> Index:
-        assert self._widx is not None, "DiskCache used before start()"
-        return self._widx
-
-    def _once(self, kind: str, msg: str, *args: object, exc_info: BaseException | None = None) -> None:
-        with self._lock:
-            if kind in self._logged:
-                return
-            self._logged.add(kind)
-        log.warning(msg, *args, exc_info=exc_info)
-
-    def _error(self, where: str, e: BaseException) -> None:
-        """Count an error this tier survives; the first of each kind is logged with its traceback."""
-        kind = f"{where}:{type(e).__name__}"
-        with self._lock:
-            self._n.errors[kind] += 1
-        self._once(
-            f"error:{kind}",
-            "disk cache (%s): %s: %s; the tier keeps working, further %s errors are only counted",
-            where,
-            type(e).__name__,
-            e,
-            kind,
-            exc_info=e,
-        )
-
-    def _guard(self, where: str, fn: Callable[[], object]) -> bool:
-        try:
-            fn()
-            return True
-        except Exception as e:  # noqa: BLE001 - the writer and upkeep must survive anything
-            self._error(where, e)
-            return False
-
-    def _refused_for_space(self, why: str) -> None:
-        with self._lock:
-            self._n.refused_for_space += 1
-        self._once(
-            "refused_for_space",
-            "disk cache %s: not saving: %s (budget %d bytes, free-space floor %d bytes); further "
-            "refusals are only counted (refused_for_space)",
-            self.root,
-            why,
-            self.budget_bytes,
-            self.min_free_bytes,
-        )
-
-    def _forget_missing(self, namespace: str, key: str) -> None:
-        """A LIVE row whose file is gone (deleted by hand): drop it."""
-        try:
-            if not os.path.lexists(self._path(namespace, key)):
-                self._ridx().remove([(namespace, key)])
-        except INDEX_ERRORS as e:
-            self._error("index", e)
-
-    def _reject(self, namespace: str, key: str, reason: str, detail: str, *, count_miss: bool = True) -> bool:
-        """A file that must not be adopted: deleted when it is ours (counted by reason),
-        left alone otherwise; its row is dropped either way."""
-        path = self._path(namespace, key)
-        deleted = unlink_if_ours(path, root=self.root)
-        with self._lock:
-            if count_miss:
-                self._n.misses += 1
-            if deleted:
-                self._n.rejected[reason] += 1
-        if deleted:
-            log.warning("disk cache: rejected and deleted %s (%s)", path.name, detail)
-        else:
-            self._once(
-                f"foreign:{reason}", "disk cache: left alone %s, not a snapshot of ours (%s)", path, detail
-            )
-        try:
-            self._ridx().remove([(namespace, key)], states=(LIVE,))
-        except INDEX_ERRORS as e:
-            self._error("index", e)
-        return deleted
-
-    # ---- internals: folder scan and reconcile -----------------------------------------
-
-    def _scan(self) -> _Scan:
-        """Walk the folder through directory fds without following any link."""
-        out = _Scan()
-        try:
-            rfd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return out
-        try:
-            with os.scandir(rfd) as it:
-                top = list(it)
-            for ns_e in top:
-                if not NAME.fullmatch(ns_e.name):
-                    continue  # the index, fingerprints.json, dot files: not namespaces
-                if not ns_e.is_dir(follow_symlinks=False):
-                    out.foreign["foreign_file" if ns_e.is_file(follow_symlinks=False) else _kind(ns_e)] += 1
-                    continue
-                self._scan_namespace(rfd, ns_e.name, out)
-        finally:
-            os.close(rfd)
-        return out
-
-    @staticmethod
-    def _open_dir(name: str, dir_fd: int, out: _Scan) -> int | None:
-        try:
-            return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
-        except FileNotFoundError:
-            return None
-        except OSError:
-            out.foreign["symlink"] += 1  # replaced by a link since it was listed
-            return None
-
-    def _scan_namespace(self, rfd: int, ns: str, out: _Scan) -> None:
-        nsfd = self._open_dir(ns, rfd, out)
-        if nsfd is None:
-            return
-        try:
-            with os.scandir(nsfd) as it:
-                shards = list(it)
-            for sh in shards:
-                name = sh.name
-                if name in _NAMESPACE_FILES or (
-                    name.startswith(_NAMESPACE_FILES[0]) and name.endswith(TMP_SUFFIX)
-                ):
-                    continue
-                if len(name) != 2 or not NAME.fullmatch(name * 2) or not sh.is_dir(follow_symlinks=False):
-                    out.foreign["foreign_file" if sh.is_file(follow_symlinks=False) else _kind(sh)] += 1
-                    continue
-                sfd = self._open_dir(name, nsfd, out)
-                if sfd is None:
-                    continue
-                try:
-                    with os.scandir(sfd) as it2:
-                        files = list(it2)
-                    for f in files:
-                        self._scan_file(ns, name, f, out)
-                finally:
-                    os.close(sfd)
-        finally:
-            os.close(nsfd)
-
-    def _scan_file(self, ns: str, shard: str, f: os.DirEntry[str], out: _Scan) -> None:
-        name = f.name
-        if name.endswith(TMP_SUFFIX) and SUFFIX in name:
-            if f.is_file(follow_symlinks=False):
-                with contextlib.suppress(FileNotFoundError):
-                    out.tmps.append((self.root / ns / shard / name, f.stat(follow_symlinks=False).st_mtime))
-                return
-            out.foreign[_kind(f)] += 1
-            return
-        key = name[: -len(SUFFIX)] if name.endswith(SUFFIX) else ""
-        if not key or not NAME.fullmatch(key) or key[:2] != shard:
-            out.foreign["foreign_file" if f.is_file(follow_symlinks=False) else _kind(f)] += 1
-            return
-        if not f.is_file(follow_symlinks=False):
-            out.foreign[_kind(f)] += 1  # a folder or link named like a snapshot
-            return
-        with contextlib.suppress(FileNotFoundError):
-            out.files[(ns, key)] = f.stat(follow_symlinks=False).st_size
-
-    def _row_from_file(self, ns: str, key: str, size: int, foreign: Counter[str]) -> Row | None:
-        """An index row for a file found in the folder, from its header; None when it
-        is not a usable snapshot (ours and bad: deleted; not ours: counted)."""
-        path = self._path(ns, key)
-        try:
-            h = read_header(path, root=self.root)
-            if ns == self.namespace:
-                h.check(namespace=ns, key=key)
-            elif (h.namespace, h.key) != (ns, key):
-                raise SnapshotFileError("key_mismatch", "file header names another entry")
-            return Row(ns, key, h.key_tokens, h.position, h.file_bytes, h.created)
-        except FileNotFoundError:
-            return None
-        except SnapshotFileError as e:
-            if ns == self.namespace:
-                if not self._reject(ns, key, e.reason, str(e), count_miss=False) and os.path.lexists(path):
-                    foreign["foreign_file"] += 1
-                return None
-            ident = read_identity(path, root=self.root)
-            if ident is None:
-                foreign["foreign_file"] += 1
-                return None
-            # Another namespace's file this build cannot parse (another format version):
-            # budgeted by its size and reaped, never read.
-            try:
-                mtime = os.lstat(path).st_mtime
-            except OSError:
-                return None
-            return Row(ns, key, 0, 0, size, mtime)
-
-    def _stale(self, row: Row, wall: float) -> bool:
-        if wall - row.since > self.stale_s:
-            return True
-        host, _, rest = row.owner.partition(":")
-        pid_text = rest.partition(":")[0]
-        if host == socket.gethostname() and pid_text.isdigit():
-            return not _pid_alive(int(pid_text))
-        return False
-
-    def _reconcile(self, *, clean_tmp: bool) -> None:
-        """Make the index agree with the folder (see the module docstring)."""
-        idx = self._widx_()
-        scan = self._scan()
-        rows, bad = idx.all_rows()
-        if bad:
-            dropped = idx.drop_garbage()
-            with self._lock:
-                self._n.garbage_rows += dropped
-            self._once("garbage_rows", "disk cache: dropped %d garbage index rows", dropped)
-        by_key = {(r.namespace, r.key): r for r in rows}
-        foreign = Counter(scan.foreign)
-        fresh: list[Row] = []
-        replaced: list[tuple[str, str]] = []
-        for (ns, key), size in scan.files.items():
-            r = by_key.get((ns, key))
-            if r is not None and (r.state != LIVE or r.bytes == size):
-                continue
-            row = self._row_from_file(ns, key, size, foreign)
-            if r is not None:
-                replaced.append((ns, key))  # a LIVE row whose file changed size
-            if row is not None:
-                fresh.append(row)
-        if replaced:
-            idx.remove(replaced)
-        if fresh:
-            idx.insert(fresh)
-        wall = time.time()
-        gone = [
-            (r.namespace, r.key)
-            for r in rows
-            if r.state == LIVE
-            and (r.namespace, r.key) not in scan.files
-            and not os.path.lexists(self._path(r.namespace, r.key))
-        ]
-        if gone:
-            idx.remove(gone)
-        for r in rows:
-            if r.state == LIVE or not self._stale(r, wall):
-                continue
-            path = self._path(r.namespace, r.key)
-            if r.state == EVICTING:
-                unlink_if_ours(path, root=self.root)
-                idx.resolve(r, exists=False, size=None)
-            else:  # WRITING: a published file of a writer that died before marking it
-                found = scan.files.get((r.namespace, r.key))
-                ok = found is not None and self._row_from_file(r.namespace, r.key, found, foreign) is not None
-                idx.resolve(r, exists=ok, size=found)
-        if clean_tmp:
-            for path, mtime in scan.tmps:
-                pid = tmp_writer_pid(path.name)
-                if pid is None or not _pid_alive(pid) or wall - mtime > self.stale_s:
-                    unlink_tmp(path, root=self.root)
-        with self._lock:
-            self._foreign = foreign
-        self._last_upkeep = time.monotonic()
-
-    # ---- internals: budget and eviction ----------------------------------------------
-
-    def _protected_keys(self) -> frozenset[str]:
-        """Keys of this namespace never to evict now: pending and protected ones."""
-        with self._lock:
-            return frozenset(self._pending) | frozenset(self._protected)
-
-    def _floor_deficit(self, incoming: int) -> int:
-        """Bytes to free so `incoming` more bytes keep the free-space floor (≤ 0: none).
-        The free-space query runs outside any lock (it may be slow on network disks)."""
-        if self.min_free_bytes <= 0:
-            return -(1 << 62)
-        if incoming:  # what the file really takes: whole blocks, plus the index's growth
-            incoming = -(-incoming // self.block_bytes) * self.block_bytes + self.index_slack
-        return self.min_free_bytes - (self._disk_free(self.root) - incoming)
-
-    def _claim(self, incoming: int, reserve: Row | None, floor_deficit: int | None = None) -> Claim:
-        idx = self._widx_()
-        return idx.claim(
-            namespace=self.namespace,
-            reserve=reserve,
-            incoming=incoming,
-            budget=self.budget_bytes,
-            floor_deficit=self._floor_deficit(incoming) if floor_deficit is None else floor_deficit,
-            protected=self._protected_keys(),
-            now=self._clock(),
-            wall=time.time(),
-            half_life=self.half_life_s,
-        )
-
-    def _delete_claimed(self, idx: Index, victims: Sequence[Row], *, count: bool = True) -> int:
-        """Delete the files of claimed evictions (ours only), then their rows."""
-        deleted = 0
-        for v in victims:
-            if unlink_if_ours(self._path(v.namespace, v.key), root=self.root):
-                deleted += 1
-        idx.forget_evicted(victims)
-        if count:
-            with self._lock:
-                self._n.evictions += deleted
-        return deleted
-
-    def _make_room(self, incoming: int) -> bool:
-        """Evict until `incoming` more bytes fit budget and floor; False if they cannot."""
-        claim = self._claim(incoming, None)
-        if claim.status != "ok":
-            return False
-        self._delete_claimed(self._widx_(), claim.victims)
-        return True
-
-    # ---- internals: writer thread ----------------------------------------------------
-
-    def _heartbeat(self) -> None:
-        wall = time.time()
-        self._widx_().heartbeat(self.namespace, wall + 3 * self.refresh_s + 30.0)
-        self._last_heartbeat = time.monotonic()
-
-    def _upkeep(self, *, idle: bool) -> None:
-        """Heartbeat when due; reconcile when idle and due (or long overdue while busy)."""
-        since = time.monotonic() - self._last_upkeep
-        if time.monotonic() - self._last_heartbeat >= self.refresh_s:
-            self._guard("heartbeat", self._heartbeat)
-        if (idle and since >= self.refresh_s) or since >= 10 * self.refresh_s:
-            if not self._guard("reconcile", lambda: self._reconcile(clean_tmp=False)):
-                self._last_upkeep = time.monotonic()  # a failing reconcile is retried later
-
-    def _writer(self) -> None:
-        if self.writer_nice:
-            self._guard("nice", self._lower_priority)
-        while True:
-            try:
-                job = self._queue.get(timeout=self.refresh_s)
-            except queue.Empty:
-                self._upkeep(idle=True)
-                continue
-            if job is None:
-                self._queue.task_done()
-                return
-            try:
-                if not self._guard("write", lambda j=job: self._write(j)):  # type: ignore[misc]
-                    with self._lock:
-                        self._n.write_errors += 1
-            finally:
-                with self._lock:
-                    self._pending.discard(job.key)
-                    self._queued_bytes -= job.snapshot.num_bytes
-                self._queue.task_done()
-            self._upkeep(idle=self._queue.empty())
-
-    def _lower_priority(self) -> None:
-        """This thread only (Linux gives each thread its own nice value), and only ever
-        lower (a higher nice value needs no privilege)."""
-        tid = threading.get_native_id()
-        if os.getpriority(os.PRIO_PROCESS, tid) < self.writer_nice:
-            os.setpriority(os.PRIO_PROCESS, tid, self.writer_nice)
-
-    def _write(self, job: _Job) -> None:
-        idx = self._widx_()
-        path = self._path(self.namespace, job.key)
-        created = self._clock()
-        encoded = encode_snapshot(
-            namespace=self.namespace, key=job.key, tokens=job.tokens, snapshot=job.snapshot, created=created
-        )
-        reserve = Row(
-            self.namespace,
-            job.key,
-            len(job.tokens),
-            job.snapshot.position,
-            encoded.size,
-            created,
-            state=WRITING,
-            owner=self.owner,
-            since=time.time(),
-        )
-        claim = self._claim(encoded.size, reserve)
-        if claim.status == "exists":
-            return  # stored, or being written by another process
-        if claim.status == "no_room":
-            with self._lock:
-                self._n.refused_saves += 1
-            self._refused_for_space(
-                f"{encoded.size} bytes do not fit ({claim.need} bytes could not be freed: "
-                "the rest is protected or being written)"
-            )
-            return
-        self._delete_claimed(idx, claim.victims)
-        outcome = "error"  # published | exists | full | blocked | error (the exception propagates)
-        size: int | None = None
-        try:
-            for attempt in range(_ENOSPC_RETRIES + 1):
-                try:
-                    size = publish(path, encoded, fsync=self.fsync, root=self.root)
-                    outcome = "exists" if size is None else "published"
-                    break
-                except OSError as e:
-                    if e.errno not in _NO_ROOM:
-                        raise
-                    with self._lock:
-                        self._n.enospc += 1
-                    if attempt == _ENOSPC_RETRIES or not self._free_for_enospc(encoded.size):
-                        outcome = "full"
-                        break
-        except SnapshotFileError as e:  # a link or a file where a folder of ours should be
-            outcome = "blocked"
-            self._once(f"publish:{e.reason}", "disk cache: cannot write under %s: %s", path.parent, e)
-        finally:
-            if outcome != "published":
-                idx.release(self.namespace, job.key)
-        if outcome == "published":
-            assert size is not None
-            idx.publish(self.namespace, job.key, size, time.time())
-            with self._lock:
-                self._n.saves += 1
-        elif outcome == "full":
-            with self._lock:
-                self._n.refused_saves += 1
-            self._refused_for_space(f"the disk is full (ENOSPC) even after evicting for {encoded.size} bytes")
-        elif outcome == "exists":
-            # Something was at the path without a row: index it when it is a snapshot of ours.
-            with contextlib.suppress(OSError):
-                row = self._row_from_file(self.namespace, job.key, os.lstat(path).st_size, Counter())
-                if row is not None:
-                    idx.insert([row])
-
-    def _free_for_enospc(self, nbytes: int) -> bool:
-        """The disk is fuller than its free-space figure said: evict `nbytes` more."""
-        claim = self._claim(0, None, floor_deficit=nbytes)
-        if claim.status != "ok" or not claim.victims:
-            return False
-        return self._delete_claimed(self._widx_(), claim.victims) > 0

@@ -1,6 +1,6 @@
 """The RAM tier: an LRU of snapshots in front of the disk cache (docs/architecture.md, 'RAM tier').
 
-Keys are the same prefix keys as on disk (namespace.prefix_key), values the key's
+Keys are the same prefix keys as on disk (prefix_key.prefix_key), values the key's
 token ids and a snapshot that aliases no live state. The budget counts snapshot
 tensor bytes (`Snapshot.num_bytes`); an entry larger than the whole budget is
 refused rather than flushing everything else. Thread-safe: the scheduler and

@@ -1,17 +1,10 @@
-"""Cache identity: what a snapshot belongs to (namespace) and which prefix it holds (key).
+"""Cache identity: what a snapshot belongs to (namespace; the keys inside it: prefix_key.py).
 
 A snapshot may only ever be adopted by the exact model that wrote it, so the
 namespace hashes everything that changes the meaning of the state bytes:
 snapshot format version, family, the weights' *content* (not their path), the
 tokenizer, the chat template, the runtime dtype and the tensor layout (names,
-dtypes, shapes with the length dimension normalized; see Geometry.layout_id).
-
-A key names one exact token prefix inside a namespace for one tenant salt:
-blake2b-128 of the length-prefixed namespace and salt followed by the int32
-little-endian token ids. The token count needs no explicit field: every token
-is exactly 4 bytes, so two different prefixes always give different messages.
-That also lets `prefix_keys` hash many prefix lengths of one prompt in a single
-pass (hasher.copy() at each length) instead of rehashing the prompt per probe.
+dtypes, shapes with the length dimension normalized; see models/geometry.py, Geometry.layout_id).
 
 Hashes here are cryptographic or content hashes with fixed seeds; never
 Python's `hash()`, which is salted per process.
@@ -22,14 +15,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import struct
 from collections.abc import Sequence
 from pathlib import Path
 
 import xxhash
 
 _CHUNK = 8 << 20  # streaming read size for fingerprinting weights
-_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 
 def _file_digest(path: Path) -> str:
@@ -131,43 +122,3 @@ def namespace_id(
     }
     blob = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(b"keepwarm.namespace\0" + blob).hexdigest()[:32]
-
-
-def _token_bytes(tokens: Sequence[int]) -> bytes:
-    try:
-        return struct.pack(f"<{len(tokens)}i", *tokens)
-    except struct.error as e:
-        bad = next((t for t in tokens if not _INT32_MIN <= int(t) <= _INT32_MAX), None)
-        raise ValueError(f"token ids must be int32; got {bad!r}") from e
-
-
-def _hasher(namespace: str, salt: str) -> hashlib.blake2b:
-    h = hashlib.blake2b(digest_size=16, person=b"keepwarm.key")
-    for field in (namespace.encode(), salt.encode()):
-        h.update(struct.pack("<I", len(field)))
-        h.update(field)
-    return h
-
-
-def prefix_key(namespace: str, salt: str, tokens: Sequence[int]) -> str:
-    """Key (32 hex) of the exact prefix `tokens` for one tenant `salt` in `namespace`."""
-    h = _hasher(namespace, salt)
-    h.update(_token_bytes(tokens))
-    return h.hexdigest()
-
-
-def prefix_keys(namespace: str, salt: str, tokens: Sequence[int], lengths: Sequence[int]) -> list[str]:
-    """prefix_key(namespace, salt, tokens[:n]) for every n in `lengths`, in one pass
-    over the tokens (probe lists: whole prompt plus every turn boundary)."""
-    for n in lengths:
-        if not 0 <= n <= len(tokens):
-            raise ValueError(f"prefix length {n} outside 0..{len(tokens)}")
-    h = _hasher(namespace, salt)
-    data = _token_bytes(tokens)
-    done = 0
-    out: dict[int, str] = {}
-    for n in sorted(set(lengths)):
-        h.update(data[4 * done : 4 * n])
-        done = n
-        out[n] = h.copy().hexdigest()
-    return [out[n] for n in lengths]

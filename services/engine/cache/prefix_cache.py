@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from keepwarm.engine.cache.disk_cache import DiskCache
 from keepwarm.engine.cache.memory_cache import MemoryCache
-from keepwarm.engine.cache.namespace import prefix_key, prefix_keys
+from keepwarm.engine.cache.prefix_key import prefix_key, prefix_keys
 from keepwarm.engine.cache.snapshot import Snapshot
 from keepwarm.engine.cache.snapshot_file import Alloc
 

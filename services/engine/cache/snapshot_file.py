@@ -17,13 +17,10 @@ flipped payload byte. The key's token ids are the int32 tensor `meta.tokens`
 by item size descending, then name, so each one is naturally aligned inside the data
 section and can be a zero-copy view.
 
-The folder is not trusted. Below the cache root (`root=`), every path component is
-opened with O_NOFOLLOW through directory file descriptors, so a symlink anywhere
-under the root (a shard folder, a file named like a snapshot) is never followed,
-and a FIFO or device named like a snapshot is never read (O_NONBLOCK open, then
-fstat must say regular file). `is_ours` says whether a file may be deleted: a
-regular file whose parseable header carries the keepwarm format marker; anything
-else (a model's safetensors, garbage, a directory, a link) is left alone.
+The folder is not trusted: every path below the cache root (`root=`) is opened
+without following links (no_follow.py). `is_ours` says whether a file may be
+deleted: a regular file whose parseable header carries the keepwarm format marker;
+anything else (a model's safetensors, garbage, a directory, a link) is left alone.
 
 Write: temp file in the target folder (`<final>.<pid>.<rand>.tmp`; the pid lets a
 later start tell a dead writer's leftovers from a live one's), fsync, then
@@ -38,9 +35,9 @@ one sequential read into one buffer, verifies everything, then builds every
 tensor as a view into that buffer (torch.frombuffer): no second copy, so restore
 runs at close to raw read bandwidth. With an `alloc` it reads each tensor straight
 into the caller's memory; memory that is not on the CPU (a GPU state buffer) is
-never handed to a host read: the bytes go to a host staging buffer (pinned when
-CUDA is available), are checksummed there, and are copied to the device with a
-non-blocking copy that overlaps the next tensor's read.
+never handed to a host read: the bytes go to a host staging buffer
+(device_staging.py, pinned when CUDA is available), are checksummed there, and are
+copied to the device with a non-blocking copy that overlaps the next tensor's read.
 
 Every failure is a SnapshotFileError with a short machine `reason`:
 unreadable, truncated, checksum, foreign_namespace, key_mismatch, version,
@@ -58,14 +55,17 @@ import secrets
 import stat
 import struct
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import xxhash
 
+from keepwarm.engine.cache.device_staging import DeviceStaging
+from keepwarm.engine.cache.no_follow import dir_fd, open_in, open_regular, read_exact
 from keepwarm.engine.cache.snapshot import Snapshot
+from keepwarm.engine.cache.snapshot_error import SnapshotFileError
 
 FORMAT_VERSION = 2  # 2: header_checksum covers every metadata field and the tensor table
 FORMAT_NAME = "keepwarm.snapshot"
@@ -76,8 +76,6 @@ TMP_SUFFIX = ".tmp"
 _MAX_HEADER = 64 << 20  # a header beyond this is not ours (safetensors caps at 100 MB)
 _ALIGN = 8
 _HEADER_CHECKSUM = "header_checksum"
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 _DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -102,15 +100,6 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in _DTYPES.items()}
 # exactly that dtype and shape (e.g. rows of a live state's preallocated buffer,
 # whose pages are already mapped; on any device), or None for a fresh CPU allocation.
 Alloc = Callable[[str, torch.dtype, tuple[int, ...]], "torch.Tensor | None"]
-
-
-class SnapshotFileError(Exception):
-    """A snapshot file that must not be adopted; `reason` is a short machine word."""
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
-        self.detail = detail
 
 
 @dataclass(frozen=True)
@@ -159,100 +148,6 @@ def tmp_writer_pid(name: str) -> int | None:
         return int(parts[-3])
     except ValueError:
         return None
-
-
-# ---- no-follow file system access below the cache root ---------------------------------
-
-
-def _rel_parts(path: Path, root: Path | None) -> tuple[Path, tuple[str, ...]]:
-    """(trusted folder, untrusted components below it). Without a root only the file
-    name itself is untrusted."""
-    if root is None:
-        return path.parent, (path.name,)
-    parts = path.relative_to(root).parts
-    assert parts and ".." not in parts, f"{path} is not below {root}"
-    return root, parts
-
-
-@contextlib.contextmanager
-def _dir_fd(path: Path, root: Path | None, *, create: bool = False, fsync: bool = False) -> Iterator[int]:
-    """An fd of `path`'s parent folder, every component below `root` opened O_NOFOLLOW
-    (created when `create`; each new level made durable when `fsync`). A symlink or a
-    non-directory on the way raises SnapshotFileError('symlink' / 'not_regular')."""
-    base, parts = _rel_parts(path, root)
-    if create:
-        base.mkdir(parents=True, exist_ok=True)
-    fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        for part in parts[:-1]:
-            try:
-                nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
-            except FileNotFoundError:
-                if not create:
-                    raise
-                with contextlib.suppress(FileExistsError):
-                    os.mkdir(part, 0o755, dir_fd=fd)
-                    if fsync:
-                        os.fsync(fd)
-                nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
-            except OSError as e:
-                if e.errno in (errno.ELOOP, errno.ENOTDIR):
-                    kind = _lstat_kind(part, fd)
-                    raise SnapshotFileError(kind, f"{part} in {path} is not a folder") from e
-                raise
-            os.close(fd)
-            fd = nfd
-        yield fd
-    finally:
-        os.close(fd)
-
-
-def _lstat_kind(name: str, dir_fd: int) -> str:
-    try:
-        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-    except OSError:
-        return "not_regular"
-    return "symlink" if stat.S_ISLNK(st.st_mode) else "not_regular"
-
-
-def _open_in(name: str, dir_fd: int) -> int:
-    """Open a regular file for reading, never through a link, never blocking on a FIFO."""
-    try:
-        fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise SnapshotFileError("symlink", f"{name} is a symbolic link") from e
-        if e.errno in (errno.ENXIO, errno.EISDIR, errno.ENOTDIR):
-            raise SnapshotFileError("not_regular", f"{name}: {e.strerror}") from e
-        raise
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise SnapshotFileError("not_regular", f"{name} is not a regular file")
-    return fd
-
-
-@contextlib.contextmanager
-def open_regular(path: Path, root: Path | None = None) -> Iterator[int]:
-    """A read fd of `path`, which must be a regular file reached without following a
-    link below `root`. FileNotFoundError passes through; a link, folder, FIFO or device
-    raises SnapshotFileError('symlink' / 'not_regular')."""
-    with _dir_fd(path, root) as dfd:
-        fd = _open_in(path.name, dfd)
-    try:
-        yield fd
-    finally:
-        os.close(fd)
-
-
-def _read_exact(fd: int, n: int, offset: int) -> bytes:
-    out = bytearray()
-    while len(out) < n:
-        chunk = os.pread(fd, n - len(out), offset + len(out))
-        if not chunk:
-            break
-        out += chunk
-    return bytes(out)
 
 
 # ---- header -----------------------------------------------------------------------------
@@ -340,11 +235,11 @@ def _check_table(h: SnapshotHeader) -> None:
 def _read_head(fd: int) -> tuple[bytes, int]:
     """(8-byte length + JSON header as far as the file has it, file size)."""
     size = os.fstat(fd).st_size
-    head = _read_exact(fd, 8, 0)
+    head = read_exact(fd, 8, 0)
     if len(head) == 8:
         (n,) = struct.unpack("<Q", head)
         if n <= _MAX_HEADER:
-            head += _read_exact(fd, n, 8)
+            head += read_exact(fd, n, 8)
     return head, size
 
 
@@ -399,9 +294,9 @@ def unlink_if_ours(path: Path, *, root: Path | None = None) -> bool:
     """Delete `path` when it is a regular keepwarm snapshot file reached without links
     below `root` (read_identity says so); otherwise leave it. True when deleted."""
     try:
-        with _dir_fd(path, root) as dfd:
+        with dir_fd(path, root) as dfd:
             try:
-                fd = _open_in(path.name, dfd)
+                fd = open_in(path.name, dfd)
             except (FileNotFoundError, SnapshotFileError):
                 return False
             try:
@@ -428,19 +323,6 @@ def _is_keepwarm_head(head: bytes) -> bool:
         meta = json.loads(head[8 : 8 + n])["__metadata__"]
         return bool(meta.get("format") == FORMAT_NAME)
     except (ValueError, KeyError, TypeError, AttributeError):
-        return False
-
-
-def unlink_tmp(path: Path, *, root: Path | None = None) -> bool:
-    """Delete a regular temp file (never a link or a folder). True when deleted."""
-    try:
-        with _dir_fd(path, root) as dfd:
-            st = os.stat(path.name, dir_fd=dfd, follow_symlinks=False)
-            if not stat.S_ISREG(st.st_mode):
-                return False
-            os.unlink(path.name, dir_fd=dfd)
-            return True
-    except (FileNotFoundError, SnapshotFileError):
         return False
 
 
@@ -513,43 +395,6 @@ def read_snapshot(
     return Snapshot(header.position, tensors), stored
 
 
-class _Staging:
-    """Host bounce buffers for reads whose destination is not CPU memory: two slots
-    (pinned when CUDA is available) so the device copy of one tensor overlaps the
-    file read of the next; a slot is reused only after its copy has completed."""
-
-    def __init__(self) -> None:
-        self.pin = torch.cuda.is_available()
-        self.slots: list[torch.Tensor | None] = [None, None]
-        self.events: list[torch.cuda.Event | None] = [None, None]
-        self.turn = 0
-
-    def take(self, nbytes: int) -> tuple[int, torch.Tensor]:
-        i = self.turn
-        self.turn ^= 1
-        ev = self.events[i]
-        if ev is not None:
-            ev.synchronize()
-            self.events[i] = None
-        buf = self.slots[i]
-        if buf is None or buf.numel() < nbytes:
-            buf = torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=self.pin)
-            self.slots[i] = buf
-        return i, buf[:nbytes]
-
-    def copied(self, i: int, dest: torch.Tensor) -> None:
-        if dest.device.type == "cuda":
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(dest.device))
-            self.events[i] = ev
-
-    def drain(self) -> None:
-        for i, ev in enumerate(self.events):
-            if ev is not None:
-                ev.synchronize()
-                self.events[i] = None
-
-
 def _readinto_exact(fd: int, raw: memoryview, offset: int, name: str) -> None:
     got = 0
     while got < len(raw):
@@ -567,7 +412,7 @@ def _read_into(
     header = _parse_header(head, size)
     header.check(namespace=namespace, key=key)
     tensors: dict[str, torch.Tensor] = {}
-    staging: _Staging | None = None
+    staging: DeviceStaging | None = None
     try:
         for name, t in sorted(header.tensors.items(), key=lambda kv: kv[1].begin):
             dest = alloc(name, t.dtype, t.shape) if name != TOKENS else None
@@ -587,7 +432,7 @@ def _read_into(
                     raise SnapshotFileError("checksum", name)
             else:
                 # Device memory is never handed to a host read: bounce through host memory.
-                staging = staging or _Staging()
+                staging = staging or DeviceStaging()
                 slot, host = staging.take(nbytes)
                 raw = host.numpy().data
                 _readinto_exact(fd, raw, offset, name)
@@ -615,7 +460,7 @@ def read_tokens(path: Path, *, namespace: str, key: str | None = None, root: Pat
             header = _parse_header(head, size)
             header.check(namespace=namespace, key=key)
             t = header.tensors[TOKENS]
-            raw = _read_exact(fd, t.end - t.begin, header.data_start + t.begin)
+            raw = read_exact(fd, t.end - t.begin, header.data_start + t.begin)
     except (FileNotFoundError, SnapshotFileError):
         raise
     except OSError as e:
@@ -643,15 +488,6 @@ def _byte_view(t: torch.Tensor) -> memoryview:
         flat = flat.to("cpu")
     flat = flat.contiguous().reshape(-1)
     return flat.view(torch.uint8).numpy().data
-
-
-def fsync_dir(d: Path) -> None:
-    """Make a folder's entries (new or renamed files) durable."""
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -733,7 +569,7 @@ def publish(
     entered without following links (a link there raises SnapshotFileError).
     OSError (disk full...) propagates after the temp file is removed."""
     tmp_name = f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
-    with _dir_fd(path, root, create=True, fsync=fsync) as dfd:
+    with dir_fd(path, root, create=True, fsync=fsync) as dfd:
         try:
             os.stat(path.name, dir_fd=dfd, follow_symlinks=False)
             return None

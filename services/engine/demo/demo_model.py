@@ -38,7 +38,7 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
-from keepwarm.engine.cache.snapshot_file import fsync_dir
+from keepwarm.engine.cache.no_follow import fsync_dir
 
 CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
 

@@ -12,7 +12,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from keepwarm.engine.cache.snapshot import Geometry, Snapshot
+from keepwarm.engine.cache.snapshot import Snapshot
+from keepwarm.engine.models.geometry import Geometry
 from keepwarm.engine.models.placement import Placement
 from keepwarm.kernels.quant_weight import QuantRows, QuantWeight
 

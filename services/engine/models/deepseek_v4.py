@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from keepwarm.engine.cache.snapshot import LOGITS, Geometry, Snapshot, SnapshotMismatch, TensorSpec
+from keepwarm.engine.cache.snapshot import LOGITS, Snapshot
 from keepwarm.engine.loading.checkpoint import Checkpoint
 from keepwarm.engine.models.backend import State
 from keepwarm.engine.models.deepseek_v4_config import CSA, HASH_MOE, HCA, SLIDING, DeepseekV4Config
@@ -59,6 +59,7 @@ from keepwarm.engine.models.deepseek_v4_weights import (
     load_weight,
     weight_specs,
 )
+from keepwarm.engine.models.geometry import Geometry, SnapshotMismatch, TensorSpec
 from keepwarm.engine.models.placement import Placement
 from keepwarm.engine.models.rope import Rope, build_rope
 from keepwarm.kernels.ops import Ops

@@ -17,10 +17,11 @@ from typing import Any
 
 import torch
 
-from keepwarm.engine.cache.snapshot import LOGITS, Geometry, Snapshot, SnapshotMismatch, TensorSpec
+from keepwarm.engine.cache.snapshot import LOGITS, Snapshot
 from keepwarm.engine.cache.snapshot_file import Alloc
 from keepwarm.engine.loading.checkpoint import Checkpoint, CheckpointError
 from keepwarm.engine.models.backend import State
+from keepwarm.engine.models.geometry import Geometry, SnapshotMismatch, TensorSpec
 from keepwarm.engine.models.moe import Moe, load_experts, moe
 from keepwarm.engine.models.placement import Placement
 from keepwarm.engine.models.rope import Rope, build_rope

@@ -33,9 +33,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from keepwarm.engine.cache.snapshot import LOGITS, Geometry, Snapshot, SnapshotMismatch, TensorSpec
+from keepwarm.engine.cache.snapshot import LOGITS, Snapshot
 from keepwarm.engine.loading.checkpoint import Checkpoint, CheckpointError
 from keepwarm.engine.models.backend import State
+from keepwarm.engine.models.geometry import Geometry, SnapshotMismatch, TensorSpec
 from keepwarm.engine.models.moe import Mlp as _Mlp
 from keepwarm.engine.models.moe import Moe as _Moe
 from keepwarm.engine.models.moe import load_experts

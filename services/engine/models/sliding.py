@@ -26,9 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-from keepwarm.engine.cache.snapshot import LOGITS, Geometry, Snapshot, SnapshotMismatch, TensorSpec
+from keepwarm.engine.cache.snapshot import LOGITS, Snapshot
 from keepwarm.engine.loading.checkpoint import CheckpointError
 from keepwarm.engine.models.backend import State
+from keepwarm.engine.models.geometry import Geometry, SnapshotMismatch, TensorSpec
 from keepwarm.engine.models.placement import Placement
 from keepwarm.engine.models.rope import Rope
 from keepwarm.kernels.ops import Ops

@@ -20,7 +20,7 @@ from pathlib import Path
 from snapshot_fixtures import make_snapshot, validator
 
 from keepwarm.engine.cache.disk_cache import DiskCache
-from keepwarm.engine.cache.namespace import prefix_key
+from keepwarm.engine.cache.prefix_key import prefix_key
 
 LOOP_POSITION, LOOP_HEADS, LOOP_DIM = 1024, 8, 128  # k + v = 4 MiB per entry
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 
 from keepwarm.engine.cache import snapshot_file
-from keepwarm.engine.cache.snapshot import LOGITS, Geometry, Snapshot, TensorSpec
+from keepwarm.engine.cache.snapshot import LOGITS, Snapshot
+from keepwarm.engine.models.geometry import Geometry, TensorSpec
 
 VOCAB = 300
 NAMESPACE = "a1" * 16  # 32 hex, stands in for namespace_id(...)

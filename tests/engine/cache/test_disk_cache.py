@@ -26,8 +26,9 @@ from snapshot_fixtures import (
 )
 
 from keepwarm.engine.cache import disk_cache as disk_cache_module
+from keepwarm.engine.cache import writer as writer_module
 from keepwarm.engine.cache.disk_cache import HALF_LIFE_S, DiskCache, DiskCacheStats
-from keepwarm.engine.cache.namespace import prefix_key
+from keepwarm.engine.cache.prefix_key import prefix_key
 from keepwarm.engine.cache.snapshot import Snapshot
 from keepwarm.engine.cache.snapshot_file import encode_snapshot, write_snapshot
 
@@ -699,7 +700,7 @@ def test_the_writer_thread_survives_any_error_logged_once_and_counted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     c = open_cache(tmp_path, refresh_s=0.01)
-    real_publish = disk_cache_module.publish
+    real_publish = writer_module.publish
 
     def broken_publish(*a: object, **kw: object) -> int | None:
         raise OSError(5, "Input/output error")
@@ -708,13 +709,13 @@ def test_the_writer_thread_survives_any_error_logged_once_and_counted(
         raise RuntimeError("scan failed")
 
     with caplog.at_level("WARNING", logger="keepwarm.engine.cache.disk_cache"):
-        monkeypatch.setattr(disk_cache_module, "publish", broken_publish)
+        monkeypatch.setattr(writer_module, "publish", broken_publish)
         monkeypatch.setattr(c, "_scan", broken_scan)  # the idle upkeep fails too
         for i in range(3):
             assert c.save(key_of(toks(i)), toks(i), make_snapshot(8, seed=i))
             _flush_or_fail(c)
         time.sleep(0.1)  # several idle upkeeps, each failing
-        monkeypatch.setattr(disk_cache_module, "publish", real_publish)
+        monkeypatch.setattr(writer_module, "publish", real_publish)
         assert c.save(key_of(toks(7)), toks(7), make_snapshot(8, seed=7))
         _flush_or_fail(c)
         k = key_of(toks(7))

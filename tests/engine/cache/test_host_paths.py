@@ -12,7 +12,8 @@ import torch
 from snapshot_fixtures import NAMESPACE, make_snapshot, same_bytes
 
 from keepwarm.engine.cache.snapshot import Snapshot
-from keepwarm.engine.cache.snapshot_file import SnapshotFileError, read_snapshot, write_snapshot
+from keepwarm.engine.cache.snapshot_error import SnapshotFileError
+from keepwarm.engine.cache.snapshot_file import read_snapshot, write_snapshot
 from keepwarm.engine.loading.checkpoint import open_checkpoint
 from keepwarm.engine.models import build_backend
 from keepwarm.kernels.ops import TORCH_OPS

@@ -11,8 +11,8 @@ from snapshot_fixtures import NAMESPACE, make_snapshot, validator
 from keepwarm.engine.cache import prefix_cache as prefix_cache_module
 from keepwarm.engine.cache.disk_cache import DiskCache
 from keepwarm.engine.cache.memory_cache import MemoryCache
-from keepwarm.engine.cache.namespace import prefix_key
 from keepwarm.engine.cache.prefix_cache import Lookup, PrefixCache, SessionHint
+from keepwarm.engine.cache.prefix_key import prefix_key
 from keepwarm.engine.cache.snapshot_file import write_snapshot
 
 SALT = "tenant-a"

@@ -14,10 +14,10 @@ from snapshot_fixtures import NAMESPACE, OTHER_NAMESPACE, forge_header, make_sna
 
 from keepwarm.engine.cache import snapshot_file
 from keepwarm.engine.cache.snapshot import Snapshot
+from keepwarm.engine.cache.snapshot_error import SnapshotFileError
 from keepwarm.engine.cache.snapshot_file import (
     FORMAT_VERSION,
     TOKENS,
-    SnapshotFileError,
     read_header,
     read_snapshot,
     read_tokens,

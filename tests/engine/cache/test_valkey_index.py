@@ -15,7 +15,7 @@ from snapshot_fixtures import NAMESPACE, make_snapshot, same_bytes, validator
 from keepwarm.engine.cache.disk_cache import DiskCache
 from keepwarm.engine.cache.index import LIVE, IndexUnusable, Row
 from keepwarm.engine.cache.index_protocol import IndexDown
-from keepwarm.engine.cache.namespace import prefix_key
+from keepwarm.engine.cache.prefix_key import prefix_key
 from keepwarm.engine.cache.valkey_index import ID_NAME, ValkeyIndex, encode_row, folder_id, redacted
 from tests.api.procs import Proc, free_port, start_valkey
 

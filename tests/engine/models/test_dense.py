@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import torch
 
-from keepwarm.engine.cache.snapshot import SnapshotMismatch
 from keepwarm.engine.loading.checkpoint import CheckpointError, open_checkpoint
 from keepwarm.engine.models import build_backend
+from keepwarm.engine.models.geometry import SnapshotMismatch
 from keepwarm.kernels.ops import TORCH_OPS
 
 transformers = pytest.importorskip("transformers")

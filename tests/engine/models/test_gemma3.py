@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-from keepwarm.engine.cache.snapshot import Snapshot, SnapshotMismatch
+from keepwarm.engine.cache.snapshot import Snapshot
 from keepwarm.engine.loading.checkpoint import CheckpointError, open_checkpoint
 from keepwarm.engine.models import build_backend
 from keepwarm.engine.models.gemma3 import (
@@ -26,6 +26,7 @@ from keepwarm.engine.models.gemma3 import (
     gelu_tanh,
     init_weights,
 )
+from keepwarm.engine.models.geometry import SnapshotMismatch
 from keepwarm.kernels.ops import TORCH_OPS, cpu_ops
 from tests.engine.models import sliding_checks as checks
 

@@ -13,10 +13,11 @@ import pytest
 import torch
 from transformers import GptOssConfig, GptOssForCausalLM
 
-from keepwarm.engine.cache.snapshot import Snapshot, SnapshotMismatch
+from keepwarm.engine.cache.snapshot import Snapshot
 from keepwarm.engine.cache.snapshot_file import write_snapshot
 from keepwarm.engine.loading.checkpoint import CheckpointError, open_checkpoint
 from keepwarm.engine.models import build_backend
+from keepwarm.engine.models.geometry import SnapshotMismatch
 from keepwarm.engine.models.gpt_oss import GptOssBackend, build, demo_config, init_weights
 from keepwarm.kernels.ops import TORCH_OPS
 from keepwarm.kernels.sliding_attention import TRITON_SLIDING

@@ -12,9 +12,10 @@ import pytest
 import torch
 from transformers import LagunaConfig, LagunaForCausalLM
 
-from keepwarm.engine.cache.snapshot import Snapshot, SnapshotMismatch
+from keepwarm.engine.cache.snapshot import Snapshot
 from keepwarm.engine.loading.checkpoint import CheckpointError, open_checkpoint
 from keepwarm.engine.models import build_backend
+from keepwarm.engine.models.geometry import SnapshotMismatch
 from keepwarm.engine.models.laguna import LagunaBackend, _Moe, build, demo_config, init_weights
 from keepwarm.kernels.ops import TORCH_OPS, cpu_ops
 from keepwarm.kernels.sliding_attention import TRITON_SLIDING
