@@ -24,6 +24,8 @@ from keepwarm.engine.models.backend import State
 from keepwarm.engine.models.moe import Moe, load_experts, moe
 from keepwarm.engine.models.placement import Placement
 from keepwarm.engine.models.rope import Rope, build_rope
+from keepwarm.engine.models.weights import LM_HEAD
+from keepwarm.engine.models.weights import lm_head as head_of
 from keepwarm.kernels.cpu_decode_step import DecodeStep, DenseShape
 from keepwarm.kernels.ops import Ops
 from keepwarm.kernels.quant_weight import Weight, cat_rows, embedding
@@ -547,12 +549,9 @@ def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype,
     device = placement.first
     embed = wl("model.embed_tokens.weight", (cfg.vocab_size, hid))
     device = placement.last
-    if ckpt.has("lm_head.weight"):
-        lm_head = wl("lm_head.weight", (cfg.vocab_size, hid))
-    elif cfg.tie_word_embeddings:
-        lm_head = embed.to(device)  # the same tensor unless the first and last stage differ
-    else:
-        raise CheckpointError(f"{ckpt.path}: lm_head.weight is missing and tie_word_embeddings is false")
+    lm_head = head_of(
+        ckpt, lambda: wl(LM_HEAD, (cfg.vocab_size, hid)), embed, device, cfg.tie_word_embeddings
+    )
     weights = {
         "embed": embed,
         "lm_head": lm_head,

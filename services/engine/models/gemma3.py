@@ -33,6 +33,8 @@ from keepwarm.engine.models.sliding import (
     check_layer_types,
     refuse_unknown_fields,
 )
+from keepwarm.engine.models.weights import LM_HEAD
+from keepwarm.engine.models.weights import lm_head as head_of
 from keepwarm.kernels.ops import Ops
 from keepwarm.kernels.sliding_attention import SlidingAttentionOps
 
@@ -337,12 +339,8 @@ def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype,
     device = placement.first
     embed = w("model.embed_tokens.weight", (cfg.vocab_size, hid))
     device = placement.last
-    if ckpt.has("lm_head.weight") and not cfg.tie_word_embeddings:
-        lm_head = w("lm_head.weight", (cfg.vocab_size, hid))
-    elif cfg.tie_word_embeddings:  # transformers ties lm_head to the embedding (a stored copy is ignored)
-        lm_head = embed.to(device)  # the same tensor unless the first and last stage differ
-    else:
-        raise CheckpointError(f"{ckpt.path}: lm_head.weight is missing and tie_word_embeddings is false")
+    tied = cfg.tie_word_embeddings  # transformers ties lm_head to the embedding (a stored copy is ignored)
+    lm_head = head_of(ckpt, lambda: w(LM_HEAD, (cfg.vocab_size, hid)), embed, device, tied, tied_wins=True)
     ropes = {}
     for kind in sorted(set(cfg.layer_types)):
         params = cfg.rope_parameters[kind]

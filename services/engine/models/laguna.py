@@ -31,6 +31,8 @@ from keepwarm.engine.models.sliding import (
     check_layer_types,
     refuse_unknown_fields,
 )
+from keepwarm.engine.models.weights import LM_HEAD
+from keepwarm.engine.models.weights import lm_head as head_of
 from keepwarm.kernels.ops import Ops
 from keepwarm.kernels.sliding_attention import SlidingAttentionOps
 
@@ -388,12 +390,7 @@ def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype,
     device = placement.first
     embed = w("model.embed_tokens.weight", (cfg.vocab_size, hid))
     device = placement.last
-    if ckpt.has("lm_head.weight"):
-        lm_head = w("lm_head.weight", (cfg.vocab_size, hid))
-    elif cfg.tie_word_embeddings:
-        lm_head = embed.to(device)  # the same tensor unless the first and last stage differ
-    else:
-        raise CheckpointError(f"{ckpt.path}: lm_head.weight is missing and tie_word_embeddings is false")
+    lm_head = head_of(ckpt, lambda: w(LM_HEAD, (cfg.vocab_size, hid)), embed, device, cfg.tie_word_embeddings)
     ropes = {}
     for kind, params in cfg.rope_parameters.items():
         ropes[kind] = build_rope({**ckpt.config, "rope_parameters": params}, d, placement.first)

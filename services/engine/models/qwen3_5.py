@@ -43,6 +43,9 @@ from keepwarm.engine.models.moe import mlp as _mlp
 from keepwarm.engine.models.moe import moe as _moe
 from keepwarm.engine.models.placement import Placement
 from keepwarm.engine.models.rope import Rope, build_rope
+from keepwarm.engine.models.step import Step
+from keepwarm.engine.models.weights import LM_HEAD
+from keepwarm.engine.models.weights import lm_head as head_of
 from keepwarm.kernels.delta_rule import DeltaRuleOps
 from keepwarm.kernels.ops import Ops
 
@@ -302,7 +305,7 @@ class Qwen35Backend:
         Logits [B, vocab] float32 after each chunk's last token, or [T, vocab] with
         `all_logits` (one sequence only)."""
         c = self.cfg
-        step = _Step.of(states, chunks)
+        step = Step.of(states, chunks)
         assert not all_logits or len(states) == 1, "all_logits is for one sequence"
         tokens = torch.cat([ch.reshape(-1) for ch in chunks]).to(self.device)
         x = F.embedding(tokens, self.embed)  # [T, hidden]
@@ -328,7 +331,7 @@ class Qwen35Backend:
         return logits
 
     def _linear(
-        self, i: int, w: _Linear, h: torch.Tensor, states: Sequence[State], step: _Step
+        self, i: int, w: _Linear, h: torch.Tensor, states: Sequence[State], step: Step
     ) -> torch.Tensor:
         """Gated DeltaNet over h [T, hidden] -> [T, hidden]; replaces each sequence's conv and
         recurrent state tensors of this layer."""
@@ -396,7 +399,7 @@ class Qwen35Backend:
         w: _Attention,
         h: torch.Tensor,
         states: Sequence[State],
-        step: _Step,
+        step: Step,
         cos: torch.Tensor,
         sin: torch.Tensor,
     ) -> torch.Tensor:
@@ -428,61 +431,6 @@ class Qwen35Backend:
 
     def _mlp(self, w: _Mlp | _Moe, h: torch.Tensor) -> torch.Tensor:
         return _mlp(w, h, self.ops) if isinstance(w, _Mlp) else _moe(w, h, self.ops)
-
-
-@dataclass(frozen=True)
-class _Step:
-    """Where each sequence's tokens sit in one batched forward: sequence b's chunk is rows
-    offsets[b] .. offsets[b] + lengths[b] - 1 of the concatenation, at positions starts[b] ..
-    Row lists are plain ints (they index a tensor on any device)."""
-
-    starts: tuple[int, ...]
-    lengths: tuple[int, ...]
-    offsets: tuple[int, ...]
-    decodes: tuple[int, ...]  # sequences advancing by one token
-    prefills: tuple[int, ...]  # sequences advancing by a chunk of several
-    decode_rows: list[int]  # their token rows, in `decodes` order
-    last_rows: list[int]  # each sequence's last token row
-
-    @staticmethod
-    def of(states: Sequence[State], chunks: Sequence[torch.Tensor]) -> _Step:
-        """Validates the step before any state is touched."""
-        if not states or len(states) != len(chunks):
-            raise ValueError(
-                f"step needs one chunk per state, got {len(states)} states and {len(chunks)} chunks"
-            )
-        if len({id(s) for s in states}) != len(states):
-            raise ValueError("step: a state appears twice; each sequence advances once per step")
-        offsets, lengths = [], []
-        off = 0
-        for st, ch in zip(states, chunks, strict=True):
-            if ch.dim() != 1 or ch.shape[0] == 0:
-                raise ValueError(f"tokens must be a non-empty 1-D tensor, got shape {tuple(ch.shape)}")
-            n = int(ch.shape[0])
-            if st.position + n > st.capacity:
-                raise ValueError(
-                    f"state capacity {st.capacity} is too small for {st.position + n} tokens: "
-                    "allocate a larger state"
-                )
-            offsets.append(off)
-            lengths.append(n)
-            off += n
-        decodes = tuple(b for b, n in enumerate(lengths) if n == 1)
-        return _Step(
-            starts=tuple(s.position for s in states),
-            lengths=tuple(lengths),
-            offsets=tuple(offsets),
-            decodes=decodes,
-            prefills=tuple(b for b, n in enumerate(lengths) if n > 1),
-            decode_rows=[offsets[b] for b in decodes],
-            last_rows=[o + n - 1 for o, n in zip(offsets, lengths, strict=True)],
-        )
-
-    def positions(self, device: torch.device) -> torch.Tensor:
-        """Absolute position of every token [T] int64."""
-        return torch.cat(
-            [torch.arange(s, s + n, device=device) for s, n in zip(self.starts, self.lengths, strict=True)]
-        )
 
 
 def geometry_of(cfg: Qwen35Config, dtype: torch.dtype) -> Geometry:
@@ -601,12 +549,13 @@ def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype,
     device = placement.first
     embed = w("embed_tokens.weight", (cfg.vocab_size, hid))
     device = placement.last
-    if ckpt.has("lm_head.weight"):
-        lm_head = ckpt.load("lm_head.weight", dtype, device, shape=(cfg.vocab_size, hid))
-    elif cfg.tie_word_embeddings:
-        lm_head = embed.to(device)  # the same tensor unless the first and last stage differ
-    else:
-        raise CheckpointError(f"{ckpt.path}: lm_head.weight is missing and tie_word_embeddings is false")
+    lm_head = head_of(
+        ckpt,
+        lambda: ckpt.load(LM_HEAD, dtype, device, shape=(cfg.vocab_size, hid)),
+        embed,
+        device,
+        cfg.tie_word_embeddings,
+    )
     rope = build_rope(raw, d, placement.first)
     if rope.rotary_dim > d:
         raise CheckpointError(f"config.json: rotary dim {rope.rotary_dim} exceeds head_dim {d}")
