@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from keepwarm.engine.loading.checkpoint import Checkpoint, CheckpointError
+from keepwarm.engine.models.config_fields import refuse_quantized, refuse_unknown_fields
 from keepwarm.engine.models.placement import Placement
 from keepwarm.engine.models.rope import Rope, build_rope, rope_parameters
 from keepwarm.engine.models.sliding import (
@@ -31,7 +32,6 @@ from keepwarm.engine.models.sliding import (
     KvLayout,
     SlidingKvBackend,
     check_layer_types,
-    refuse_unknown_fields,
 )
 from keepwarm.engine.models.weights import LM_HEAD
 from keepwarm.engine.models.weights import lm_head as head_of
@@ -101,8 +101,7 @@ class Gemma3Config:
             set(HONOURED_FIELDS | NO_MATH_FIELDS),
             "gemma3",
         )
-        if cfg.get("quantization_config"):
-            raise CheckpointError("config.json: quantization_config: quantized checkpoints are not supported")
+        refuse_quantized(cfg)
         try:
             n = int(cfg["num_hidden_layers"])
             heads = int(cfg["num_attention_heads"])

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from keepwarm.engine.loading.checkpoint import Checkpoint, CheckpointError
+from keepwarm.engine.models.config_fields import refuse_unknown_fields
 from keepwarm.engine.models.placement import Placement
 from keepwarm.engine.models.rope import Rope, build_rope, rope_parameters
 from keepwarm.engine.models.sliding import (
@@ -28,7 +29,6 @@ from keepwarm.engine.models.sliding import (
     KvLayout,
     SlidingKvBackend,
     check_layer_types,
-    refuse_unknown_fields,
 )
 from keepwarm.engine.models.weights import LM_HEAD
 from keepwarm.engine.models.weights import lm_head as head_of

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from keepwarm.engine.loading.checkpoint import Checkpoint, CheckpointError
+from keepwarm.engine.models.config_fields import refuse_unknown_fields, require_silu
 from keepwarm.engine.models.placement import Placement
 from keepwarm.engine.models.rope import Rope, build_rope
 from keepwarm.engine.models.sliding import (
@@ -29,7 +30,6 @@ from keepwarm.engine.models.sliding import (
     KvLayout,
     SlidingKvBackend,
     check_layer_types,
-    refuse_unknown_fields,
 )
 from keepwarm.engine.models.weights import LM_HEAD
 from keepwarm.engine.models.weights import lm_head as head_of
@@ -121,10 +121,7 @@ class LagunaConfig:
                 "config.json: moe_apply_router_weight_on_input true is not supported "
                 "(transformers has no reference for it either); set it to false"
             )
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise CheckpointError(
-                f"config.json: hidden_act {cfg.get('hidden_act')!r} is not supported (silu only)"
-            )
+        require_silu(cfg)
         rope = cfg.get("rope_parameters") or _DEFAULT_ROPE
         if not isinstance(rope, dict) or any(not isinstance(rope.get(t), dict) for t in set(layer_types)):
             raise CheckpointError(

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from keepwarm.engine.cache.snapshot import LOGITS, Geometry, Snapshot, SnapshotMismatch, TensorSpec
 from keepwarm.engine.loading.checkpoint import Checkpoint, CheckpointError
 from keepwarm.engine.models.backend import State
+from keepwarm.engine.models.config_fields import refuse_quantized, require_silu
 from keepwarm.engine.models.moe import Mlp as _Mlp
 from keepwarm.engine.models.moe import Moe as _Moe
 from keepwarm.engine.models.moe import load_experts
@@ -146,17 +147,13 @@ class Qwen35Config:
             raise CheckpointError("config.json: num_experts_per_tok must be in 1..num_experts")
         if out.conv_kernel < 1:
             raise CheckpointError("config.json: linear_conv_kernel_dim must be >= 1")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise CheckpointError(
-                f"config.json: hidden_act {cfg.get('hidden_act')!r} is not supported (silu only)"
-            )
+        require_silu(cfg)
         if cfg.get("attention_bias"):
             raise CheckpointError(
                 "config.json: attention_bias is true (q/k/v/o projection biases in the attention layers), "
                 "which this engine does not implement for qwen3_5"
             )
-        if cfg.get("quantization_config"):
-            raise CheckpointError("config.json: quantization_config: quantized checkpoints are not supported")
+        refuse_quantized(cfg)
         return out
 
 
