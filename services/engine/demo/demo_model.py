@@ -10,7 +10,7 @@ shipped in data/corpus.txt, ChatML special tokens) with a ChatML chat template i
 tokenizer_config.json. Same arguments -> byte-identical files.
 
 Families: `dense` (model_type qwen3) is built here; the others come from their
-model module's `demo_config(size) -> dict` and `init_weights(config, seed) -> dict`.
+demo/<family>.py: `demo_config(size) -> dict` and `init_weights(config, seed) -> dict`.
 This module overrides the config's vocab_size (the trained tokenizer's size, so
 every id decodes) and its bos/eos/pad token ids before calling `init_weights`.
 
@@ -280,10 +280,10 @@ class DemoFamily:
 
 
 def _demo_family(family: str) -> DemoFamily:
-    """The family's demo: dense's is written here, every other family's by its model module."""
+    """The family's demo: dense's is written here, every other family's in demo/<family>.py."""
     if family == "dense":
         return DemoFamily(dense_demo_config, dense_init_weights)
-    mod = importlib.import_module(f"keepwarm.engine.models.{family}")
+    mod = importlib.import_module(f"keepwarm.engine.demo.{family}")
     return DemoFamily(mod.demo_config, mod.init_weights)
 
 

@@ -53,8 +53,6 @@ from keepwarm.engine.loading.checkpoint import Checkpoint
 from keepwarm.engine.models.backend import State
 from keepwarm.engine.models.deepseek_v4_config import CSA, HASH_MOE, HCA, SLIDING, DeepseekV4Config
 from keepwarm.engine.models.deepseek_v4_weights import (
-    demo_config,
-    init_weights,
     load_experts,
     load_weight,
     weight_specs,
@@ -64,7 +62,7 @@ from keepwarm.engine.models.rope import Rope, build_rope
 from keepwarm.engine.models.step import Step
 from keepwarm.kernels.ops import Ops
 
-__all__ = ["DeepseekV4Backend", "build", "demo_config", "init_weights", "geometry_of"]
+__all__ = ["DeepseekV4Backend", "build", "geometry_of"]
 
 _QUERY_BLOCK = 256  # queries per attention block: scores are [heads, block, W - 1 + block + compressed]
 
