@@ -1,7 +1,7 @@
 """Random-weight demo checkpoints in Hugging Face layout, written deterministically
 from a seed, so the stack runs and tests without downloading a model.
 
-    python -m keepwarm.engine.demo.demo_model [--family dense|hybrid|deepseek_v4|laguna|gpt_oss|gemma3]
+    python -m keepwarm.engine.demo.demo_model [--family dense|qwen3_5 (alias hybrid)|deepseek_v4|laguna|gpt_oss|gemma3]
         [--seed N] [--size small|tiny] [--force] DIR
 
 A folder holds config.json, model.safetensors (bf16), generation_config.json and a
@@ -10,7 +10,7 @@ shipped in data/corpus.txt, ChatML special tokens) with a ChatML chat template i
 tokenizer_config.json. Same arguments -> byte-identical files.
 
 Families: `dense` (model_type qwen3) is built here; the others come from their
-model module's `demo_config(size) -> dict` and `init_weights(config, seed) -> dict`.
+demo/<family>.py: `demo_config(size) -> dict` and `init_weights(config, seed) -> dict`.
 This module overrides the config's vocab_size (the trained tokenizer's size, so
 every id decodes) and its bos/eos/pad token ids before calling `init_weights`.
 
@@ -22,6 +22,7 @@ model behind under DIR.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import math
@@ -39,6 +40,8 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as HFTokenizer
 
 from keepwarm.engine.cache.no_follow import fsync_dir
+from keepwarm.engine.models import FAMILIES as MODEL_FAMILIES
+from keepwarm.engine.models import FAMILY_ALIASES, family_of
 
 CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
 
@@ -276,22 +279,18 @@ class DemoFamily:
     init_weights: Callable[[dict[str, Any], int], dict[str, torch.Tensor]]
 
 
-def _from_module(module: str) -> Callable[[], DemoFamily]:
-    def load() -> DemoFamily:
-        mod = importlib.import_module(f"keepwarm.engine.models.{module}")
-        return DemoFamily(mod.demo_config, mod.init_weights)
+def _demo_family(family: str) -> DemoFamily:
+    """The family's demo: dense's is written here, every other family's in demo/<family>.py."""
+    if family == "dense":
+        return DemoFamily(dense_demo_config, dense_init_weights)
+    mod = importlib.import_module(f"keepwarm.engine.demo.{family}")
+    return DemoFamily(mod.demo_config, mod.init_weights)
 
-    return load
 
-
-# family name (CLI) -> loader; modules are imported only when that family is asked for.
+# family name (CLI; the registry's names and aliases, models/__init__.py) -> loader; modules are
+# imported only when that family is asked for.
 FAMILIES: dict[str, Callable[[], DemoFamily]] = {
-    "dense": lambda: DemoFamily(dense_demo_config, dense_init_weights),
-    "hybrid": _from_module("qwen3_5"),
-    "deepseek_v4": _from_module("deepseek_v4"),
-    "laguna": _from_module("laguna"),
-    "gpt_oss": _from_module("gpt_oss"),
-    "gemma3": _from_module("gemma3"),
+    name: functools.partial(_demo_family, family_of(name)) for name in (*MODEL_FAMILIES, *FAMILY_ALIASES)
 }
 
 

@@ -18,6 +18,7 @@ from keepwarm.kernels.ops import Ops
 
 log = logging.getLogger(__name__)
 
+# config.json model_type -> family (a module of this package, one of FAMILIES)
 MODEL_TYPE_TO_FAMILY = {
     "llama": "dense",
     "qwen2": "dense",
@@ -33,6 +34,19 @@ MODEL_TYPE_TO_FAMILY = {
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",  # the multimodal folder: refused by name (models/gemma3.py)
 }
+
+
+FAMILIES = ("dense", "qwen3_5", "deepseek_v4", "laguna", "gpt_oss", "gemma3")  # module names here
+FAMILY_ALIASES = {"hybrid": "qwen3_5"}  # other names a user may pass (demo_model --family hybrid)
+
+
+def family_of(name: str) -> str:
+    """The family module a family name or alias names, else a ValueError listing the names."""
+    family = FAMILY_ALIASES.get(name, name)
+    if family not in FAMILIES:
+        known = ", ".join(sorted({*FAMILIES, *FAMILY_ALIASES}))
+        raise ValueError(f"family {name!r} is unknown (use one of {known})")
+    return family
 
 
 BLOCK_FAMILIES = frozenset({"dense"})  # families whose projections run on quantized blocks

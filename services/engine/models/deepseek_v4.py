@@ -53,8 +53,6 @@ from keepwarm.engine.loading.checkpoint import Checkpoint
 from keepwarm.engine.models.backend import State
 from keepwarm.engine.models.deepseek_v4_config import CSA, HASH_MOE, HCA, SLIDING, DeepseekV4Config
 from keepwarm.engine.models.deepseek_v4_weights import (
-    demo_config,
-    init_weights,
     load_experts,
     load_weight,
     weight_specs,
@@ -62,9 +60,10 @@ from keepwarm.engine.models.deepseek_v4_weights import (
 from keepwarm.engine.models.geometry import Geometry, SnapshotMismatch, TensorSpec
 from keepwarm.engine.models.placement import Placement
 from keepwarm.engine.models.rope import Rope, build_rope
+from keepwarm.engine.models.step import Step
 from keepwarm.kernels.ops import Ops
 
-__all__ = ["DeepseekV4Backend", "build", "demo_config", "init_weights", "geometry_of"]
+__all__ = ["DeepseekV4Backend", "build", "geometry_of"]
 
 _QUERY_BLOCK = 256  # queries per attention block: scores are [heads, block, W - 1 + block + compressed]
 
@@ -375,7 +374,7 @@ class DeepseekV4Backend:
         Logits [B, vocab] float32 after each chunk's last token, or [T, vocab] with
         `all_logits` (one sequence only)."""
         c = self.cfg
-        step = _Step.of(states, chunks)
+        step = Step.of(states, chunks)
         assert not all_logits or len(states) == 1, "all_logits is for one sequence"
         tokens = torch.cat([ch.reshape(-1) for ch in chunks]).to(self.device).long()
         t = tokens.shape[0]
@@ -421,7 +420,7 @@ class DeepseekV4Backend:
         layer: _Layer,
         h: torch.Tensor,
         states: Sequence[State],
-        step: _Step,
+        step: Step,
         cos_sin: dict[str, tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         """Attention block over h [T, hidden] -> [T, hidden]: every projection over all T
@@ -608,53 +607,6 @@ class DeepseekV4Backend:
         gate, up = linear(h, layer.shared_gate_up).chunk(2, dim=-1)
         shared = linear(ops.silu_mul(gate.clamp(max=lim), up.clamp(min=-lim, max=lim)), layer.shared_down)
         return out + shared
-
-
-@dataclass(frozen=True)
-class _Step:
-    """Where each sequence's tokens sit in one batched forward: sequence b's chunk is rows
-    offsets[b] .. offsets[b] + lengths[b] - 1 of the concatenation, at positions starts[b] ..."""
-
-    starts: tuple[int, ...]
-    lengths: tuple[int, ...]
-    offsets: tuple[int, ...]
-    last_rows: list[int]  # each sequence's last token row (a plain list indexes any device)
-
-    @staticmethod
-    def of(states: Sequence[State], chunks: Sequence[torch.Tensor]) -> _Step:
-        """Validates the step before any state is touched."""
-        if not states or len(states) != len(chunks):
-            raise ValueError(
-                f"step needs one chunk per state, got {len(states)} states and {len(chunks)} chunks"
-            )
-        if len({id(s) for s in states}) != len(states):
-            raise ValueError("step: a state appears twice; each sequence advances once per step")
-        offsets, lengths = [], []
-        off = 0
-        for st, ch in zip(states, chunks, strict=True):
-            if ch.dim() != 1 or ch.shape[0] == 0:
-                raise ValueError(f"tokens must be a non-empty 1-D tensor, got shape {tuple(ch.shape)}")
-            n = int(ch.shape[0])
-            if st.position + n > st.capacity:
-                raise ValueError(
-                    f"state capacity {st.capacity} is too small for {st.position + n} tokens: "
-                    "allocate a larger state"
-                )
-            offsets.append(off)
-            lengths.append(n)
-            off += n
-        return _Step(
-            starts=tuple(s.position for s in states),
-            lengths=tuple(lengths),
-            offsets=tuple(offsets),
-            last_rows=[o + n - 1 for o, n in zip(offsets, lengths, strict=True)],
-        )
-
-    def positions(self, device: torch.device) -> torch.Tensor:
-        """Absolute position of every token [T] int64."""
-        return torch.cat(
-            [torch.arange(s, s + n, device=device) for s, n in zip(self.starts, self.lengths, strict=True)]
-        )
 
 
 def _rope_of(cfg: DeepseekV4Config, params: dict[str, object], device: torch.device) -> Rope:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from keepwarm.engine.loading.checkpoint import CheckpointError
+from keepwarm.engine.models.config_fields import require_silu
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
@@ -182,10 +183,7 @@ class DeepseekV4Config:
             raise CheckpointError(
                 f"config.json: scoring_func {self.scoring_func!r} is not supported (sqrtsoftplus or sigmoid)"
             )
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise CheckpointError(
-                f"config.json: hidden_act {cfg.get('hidden_act')!r} is not supported (silu only)"
-            )
+        require_silu(cfg)
         if cfg.get("mlp_bias"):
             raise CheckpointError(
                 "config.json: mlp_bias is true (biases in the shared expert's projections), which this "

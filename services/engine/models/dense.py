@@ -17,14 +17,16 @@ from typing import Any
 
 import torch
 
-from keepwarm.engine.cache.snapshot import LOGITS, Snapshot
 from keepwarm.engine.cache.snapshot_file import Alloc
 from keepwarm.engine.loading.checkpoint import Checkpoint, CheckpointError
 from keepwarm.engine.models.backend import State
-from keepwarm.engine.models.geometry import Geometry, SnapshotMismatch, TensorSpec
+from keepwarm.engine.models.config_fields import refuse_quantized, require_silu
 from keepwarm.engine.models.moe import Moe, load_experts, moe
 from keepwarm.engine.models.placement import Placement
 from keepwarm.engine.models.rope import Rope, build_rope
+from keepwarm.engine.models.sliding import KvLayout, KvStateBackend
+from keepwarm.engine.models.weights import LM_HEAD
+from keepwarm.engine.models.weights import lm_head as head_of
 from keepwarm.kernels.cpu_decode_step import DecodeStep, DenseShape
 from keepwarm.kernels.ops import Ops
 from keepwarm.kernels.quant_weight import Weight, cat_rows, embedding
@@ -141,12 +143,8 @@ def refuse_unsupported_fields(cfg: dict[str, Any]) -> None:
     """Raise CheckpointError naming the config.json field when it asks for math this family
     does not implement (transformers would compute something else)."""
     mt = cfg.get("model_type")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(
-            f"config.json: hidden_act {cfg.get('hidden_act')!r} is not supported (silu only)"
-        )
-    if cfg.get("quantization_config"):
-        raise CheckpointError("config.json: quantization_config: quantized checkpoints are not supported")
+    require_silu(cfg)
+    refuse_quantized(cfg)
     n = int(cfg.get("num_hidden_layers") or 0)
     layer_types = cfg.get("layer_types")
     if layer_types is None and mt in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
@@ -190,7 +188,10 @@ class _Layer:
     moe: Moe | None = None
 
 
-class DenseBackend:
+class DenseBackend(KvStateBackend):
+    """Full attention on every layer: the K/V state, snapshots and adopt of models/sliding.py's
+    `KvStateBackend` (`KvLayout.all_full`), with this family's forward and fused decode step."""
+
     family = "dense"
 
     def __init__(
@@ -202,12 +203,10 @@ class DenseBackend:
         dtype: torch.dtype,
         ops: Ops,
     ) -> None:
+        layout = KvLayout.all_full(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+        super().__init__(layout, cfg.vocab_size, placement, dtype)
         self.cfg = cfg
-        self.placement = placement
-        self.device = placement.first  # where tokens enter; logits come out on placement.last
-        self.dtype = dtype
         self.ops = ops
-        self.vocab_size = cfg.vocab_size
         self.embed: Weight = weights["embed"]
         self.lm_head: Weight = weights["lm_head"]
         self.final_norm: torch.Tensor = weights["final_norm"]
@@ -215,13 +214,6 @@ class DenseBackend:
         self.rope: Rope = build_rope(raw_cfg, cfg.head_dim, placement.first)
         self.scale = cfg.head_dim**-0.5
         self._kv_names = [(f"layers.{i}.k", f"layers.{i}.v") for i in range(cfg.num_layers)]
-        kv_shape = (-1, cfg.num_kv_heads, cfg.head_dim)
-        specs = []
-        for i in range(cfg.num_layers):
-            for part in ("k", "v"):
-                specs.append(TensorSpec(f"layers.{i}.{part}", dtype, kv_shape, length_dim=0, rows=_identity))
-        specs.append(TensorSpec(LOGITS, torch.float32, (cfg.vocab_size,)))
-        self.geometry = Geometry(tuple(specs))
         self._step = self._decode_step()
 
     def _decode_step(self) -> DecodeStep | None:
@@ -244,40 +236,7 @@ class DenseBackend:
         )
         return make(shape, self.layers, self.rope.rotary_dim)
 
-    # -- state ---------------------------------------------------------------
-    def new_state(self, capacity: int) -> State:
-        c = self.cfg
-        tensors = {}
-        for i in range(c.num_layers):
-            for part in ("k", "v"):
-                tensors[f"layers.{i}.{part}"] = torch.empty(
-                    (capacity, c.num_kv_heads, c.head_dim),
-                    dtype=self.dtype,
-                    device=self.placement.device_of(i),
-                )
-        return State(capacity=capacity, tensors=tensors)
-
-    def export(self, state: State) -> Snapshot:
-        assert state.logits is not None, "export needs at least one token of state"
-        p = state.position
-        out = {name: t[:p] for name, t in state.tensors.items()}
-        out[LOGITS] = state.logits
-        return Snapshot(p, out)
-
-    def adopt(self, snapshot: Snapshot, capacity: int, into: State | None = None) -> State:
-        if snapshot.position > capacity:
-            raise SnapshotMismatch(f"snapshot covers {snapshot.position} tokens, capacity is {capacity}")
-        self.geometry.validate(snapshot.tensors, snapshot.position)
-        state = into if into is not None and into.capacity == capacity else self.new_state(capacity)
-        p = snapshot.position
-        for name, t in state.tensors.items():
-            src = snapshot.tensors[name]
-            if t[:p].data_ptr() != src.data_ptr():  # equal when the restore read straight into `into`
-                t[:p].copy_(src)
-        state.position = p
-        state.logits = snapshot.tensors[LOGITS].to(self.placement.last, torch.float32, copy=True)
-        return state
-
+    # -- state (new_state, export, adopt: KvStateBackend) ----------------------
     def restore_target(self, state: State) -> Alloc:
         """Where a snapshot file may be read directly: the first rows of `state`'s K/V
         buffers (already-mapped pages), so adopt(..., into=state) copies nothing."""
@@ -465,10 +424,6 @@ class DenseBackend:
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def _identity(position: int) -> int:
-    return position
-
-
 def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype, ops: Ops) -> DenseBackend:
     """Each layer's weights straight onto its stage's device; the embedding on the first
     stage, the final norm and the head on the last."""
@@ -548,12 +503,9 @@ def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype,
     device = placement.first
     embed = wl("model.embed_tokens.weight", (cfg.vocab_size, hid))
     device = placement.last
-    if ckpt.has("lm_head.weight"):
-        lm_head = wl("lm_head.weight", (cfg.vocab_size, hid))
-    elif cfg.tie_word_embeddings:
-        lm_head = embed.to(device)  # the same tensor unless the first and last stage differ
-    else:
-        raise CheckpointError(f"{ckpt.path}: lm_head.weight is missing and tie_word_embeddings is false")
+    lm_head = head_of(
+        ckpt, lambda: wl(LM_HEAD, (cfg.vocab_size, hid)), embed, device, cfg.tie_word_embeddings
+    )
     weights = {
         "embed": embed,
         "lm_head": lm_head,

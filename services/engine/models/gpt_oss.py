@@ -11,7 +11,6 @@ quantized (MXFP4) checkpoints are refused: dequantize to bf16 first.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from keepwarm.engine.loading.checkpoint import Checkpoint, CheckpointError
+from keepwarm.engine.models.config_fields import refuse_unknown_fields
 from keepwarm.engine.models.placement import Placement
 from keepwarm.engine.models.rope import Rope, build_rope, rope_parameters
 from keepwarm.engine.models.sliding import (
@@ -28,8 +28,9 @@ from keepwarm.engine.models.sliding import (
     KvLayout,
     SlidingKvBackend,
     check_layer_types,
-    refuse_unknown_fields,
 )
+from keepwarm.engine.models.weights import LM_HEAD
+from keepwarm.engine.models.weights import lm_head as head_of
 from keepwarm.kernels.ops import Ops
 from keepwarm.kernels.sliding_attention import SlidingAttentionOps
 
@@ -49,7 +50,7 @@ _IMPLEMENTED = {
     "experts_per_token", "swiglu_alpha", "swiglu_limit",
 }  # fmt: skip
 # transformers' GptOssConfig default rope (when config.json has none)
-_DEFAULT_ROPE = {
+DEFAULT_ROPE = {
     "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
     "original_max_position_embeddings": 4096, "rope_theta": 150000.0,
 }  # fmt: skip
@@ -306,15 +307,10 @@ def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype,
     device = placement.first
     embed = w("model.embed_tokens.weight", (cfg.vocab_size, hid))
     device = placement.last
-    if ckpt.has("lm_head.weight"):
-        lm_head = w("lm_head.weight", (cfg.vocab_size, hid))
-    elif cfg.tie_word_embeddings:
-        lm_head = embed.to(device)  # the same tensor unless the first and last stage differ
-    else:
-        raise CheckpointError(f"{ckpt.path}: lm_head.weight is missing and tie_word_embeddings is false")
+    lm_head = head_of(ckpt, lambda: w(LM_HEAD, (cfg.vocab_size, hid)), embed, device, cfg.tie_word_embeddings)
     raw = dict(ckpt.config)
     if not (raw.get("rope_parameters") or raw.get("rope_scaling")):
-        raw["rope_parameters"] = dict(_DEFAULT_ROPE)
+        raw["rope_parameters"] = dict(DEFAULT_ROPE)
     if float(rope_parameters(raw).get("partial_rotary_factor", 1.0)) != 1.0:
         raise CheckpointError(
             "config.json: rope partial_rotary_factor must be 1.0 for gpt_oss (every dim rotates)"
@@ -332,93 +328,3 @@ def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype,
         ops,
         placement.sliding_attention(),  # the one place the attention implementation is chosen
     )
-
-
-# -- demo models ----------------------------------------------------------------
-def demo_config(size: str) -> dict[str, Any]:
-    """A full config.json for a random-weight demo (transformers can load the folder):
-    alternating sliding (window 128) and full attention with sinks, top-2 of 8 experts.
-    "small" for the stack and benches, "tiny" for tests."""
-    if size == "small":
-        dims = dict(
-            vocab_size=16384, hidden_size=768, intermediate_size=768, num_hidden_layers=8,
-            num_attention_heads=12, num_key_value_heads=4, head_dim=64, num_local_experts=8,
-            num_experts_per_tok=2,
-        )  # fmt: skip
-    elif size == "tiny":
-        dims = dict(
-            vocab_size=512, hidden_size=64, intermediate_size=64, num_hidden_layers=4,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
-            num_experts_per_tok=2,
-        )  # fmt: skip
-    else:
-        raise ValueError(f"demo size {size!r} is unknown (use 'small' or 'tiny')")
-    n = int(dims["num_hidden_layers"])
-    return {
-        "architectures": ["GptOssForCausalLM"],
-        "model_type": "gpt_oss",
-        **dims,
-        "layer_types": [SLIDING if (i + 1) % 2 else FULL for i in range(n)],
-        "sliding_window": 128 if size == "small" else 16,
-        "attention_bias": True,
-        "hidden_act": "silu",
-        "swiglu_alpha": 1.702,
-        "swiglu_limit": 7.0,
-        "max_position_embeddings": 32768,
-        "initializer_range": 0.02,
-        "rms_norm_eps": 1e-5,
-        "use_cache": True,
-        "tie_word_embeddings": False,
-        "rope_parameters": dict(_DEFAULT_ROPE),
-        "attention_dropout": 0.0,
-        "router_aux_loss_coef": 0.001,
-        "output_router_logits": False,
-        "bos_token_id": None,
-        "eos_token_id": None,
-        "pad_token_id": None,
-        "dtype": "bfloat16",
-    }
-
-
-def init_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
-    """Deterministic bf16 weights under save_pretrained's names for `config`: matrices
-    N(0, initializer_range), residual-output projections scaled by 1/sqrt(2 * layers), small
-    random biases and sinks, norms 1."""
-    cfg = GptOssConfig.from_dict(config)
-    gen = torch.Generator().manual_seed(seed)
-    std = float(config.get("initializer_range", 0.02))
-    out_std = std / math.sqrt(2 * cfg.num_layers)
-    hid, d, e_n, inter = cfg.hidden_size, cfg.head_dim, cfg.num_experts, cfg.intermediate_size
-
-    def normal(shape: tuple[int, ...], s: float) -> torch.Tensor:
-        return (torch.randn(shape, generator=gen) * s).to(torch.bfloat16)
-
-    def ones(n: int) -> torch.Tensor:
-        return torch.ones(n, dtype=torch.bfloat16)
-
-    wts: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal((cfg.vocab_size, hid), std)}
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        sa, mp = p + "self_attn.", p + "mlp."
-        for name, rows in (
-            ("q", cfg.num_heads * d),
-            ("k", cfg.num_kv_heads * d),
-            ("v", cfg.num_kv_heads * d),
-        ):
-            wts[sa + f"{name}_proj.weight"] = normal((rows, hid), std)
-            wts[sa + f"{name}_proj.bias"] = normal((rows,), std)
-        wts[sa + "o_proj.weight"] = normal((hid, cfg.num_heads * d), out_std)
-        wts[sa + "o_proj.bias"] = normal((hid,), std)
-        wts[sa + "sinks"] = normal((cfg.num_heads,), 1.0)
-        wts[mp + "router.weight"] = normal((e_n, hid), std)
-        wts[mp + "router.bias"] = normal((e_n,), std)
-        wts[mp + "experts.gate_up_proj"] = normal((e_n, hid, 2 * inter), std)
-        wts[mp + "experts.gate_up_proj_bias"] = normal((e_n, 2 * inter), std)
-        wts[mp + "experts.down_proj"] = normal((e_n, inter, hid), out_std)
-        wts[mp + "experts.down_proj_bias"] = normal((e_n, hid), std)
-        wts[p + "input_layernorm.weight"] = ones(hid)
-        wts[p + "post_attention_layernorm.weight"] = ones(hid)
-    wts["model.norm.weight"] = ones(hid)
-    if not cfg.tie_word_embeddings:
-        wts["lm_head.weight"] = normal((cfg.vocab_size, hid), std)
-    return wts

@@ -25,7 +25,6 @@ K/V rows are its own, and all one-token sequences share one conv and one delta-r
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +35,7 @@ import torch.nn.functional as F
 from keepwarm.engine.cache.snapshot import LOGITS, Snapshot
 from keepwarm.engine.loading.checkpoint import Checkpoint, CheckpointError
 from keepwarm.engine.models.backend import State
+from keepwarm.engine.models.config_fields import refuse_quantized, require_silu
 from keepwarm.engine.models.geometry import Geometry, SnapshotMismatch, TensorSpec
 from keepwarm.engine.models.moe import Mlp as _Mlp
 from keepwarm.engine.models.moe import Moe as _Moe
@@ -44,6 +44,9 @@ from keepwarm.engine.models.moe import mlp as _mlp
 from keepwarm.engine.models.moe import moe as _moe
 from keepwarm.engine.models.placement import Placement
 from keepwarm.engine.models.rope import Rope, build_rope
+from keepwarm.engine.models.step import Step
+from keepwarm.engine.models.weights import LM_HEAD
+from keepwarm.engine.models.weights import lm_head as head_of
 from keepwarm.kernels.delta_rule import DeltaRuleOps
 from keepwarm.kernels.ops import Ops
 
@@ -144,17 +147,13 @@ class Qwen35Config:
             raise CheckpointError("config.json: num_experts_per_tok must be in 1..num_experts")
         if out.conv_kernel < 1:
             raise CheckpointError("config.json: linear_conv_kernel_dim must be >= 1")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise CheckpointError(
-                f"config.json: hidden_act {cfg.get('hidden_act')!r} is not supported (silu only)"
-            )
+        require_silu(cfg)
         if cfg.get("attention_bias"):
             raise CheckpointError(
                 "config.json: attention_bias is true (q/k/v/o projection biases in the attention layers), "
                 "which this engine does not implement for qwen3_5"
             )
-        if cfg.get("quantization_config"):
-            raise CheckpointError("config.json: quantization_config: quantized checkpoints are not supported")
+        refuse_quantized(cfg)
         return out
 
 
@@ -303,7 +302,7 @@ class Qwen35Backend:
         Logits [B, vocab] float32 after each chunk's last token, or [T, vocab] with
         `all_logits` (one sequence only)."""
         c = self.cfg
-        step = _Step.of(states, chunks)
+        step = Step.of(states, chunks)
         assert not all_logits or len(states) == 1, "all_logits is for one sequence"
         tokens = torch.cat([ch.reshape(-1) for ch in chunks]).to(self.device)
         x = F.embedding(tokens, self.embed)  # [T, hidden]
@@ -329,7 +328,7 @@ class Qwen35Backend:
         return logits
 
     def _linear(
-        self, i: int, w: _Linear, h: torch.Tensor, states: Sequence[State], step: _Step
+        self, i: int, w: _Linear, h: torch.Tensor, states: Sequence[State], step: Step
     ) -> torch.Tensor:
         """Gated DeltaNet over h [T, hidden] -> [T, hidden]; replaces each sequence's conv and
         recurrent state tensors of this layer."""
@@ -397,7 +396,7 @@ class Qwen35Backend:
         w: _Attention,
         h: torch.Tensor,
         states: Sequence[State],
-        step: _Step,
+        step: Step,
         cos: torch.Tensor,
         sin: torch.Tensor,
     ) -> torch.Tensor:
@@ -429,61 +428,6 @@ class Qwen35Backend:
 
     def _mlp(self, w: _Mlp | _Moe, h: torch.Tensor) -> torch.Tensor:
         return _mlp(w, h, self.ops) if isinstance(w, _Mlp) else _moe(w, h, self.ops)
-
-
-@dataclass(frozen=True)
-class _Step:
-    """Where each sequence's tokens sit in one batched forward: sequence b's chunk is rows
-    offsets[b] .. offsets[b] + lengths[b] - 1 of the concatenation, at positions starts[b] ..
-    Row lists are plain ints (they index a tensor on any device)."""
-
-    starts: tuple[int, ...]
-    lengths: tuple[int, ...]
-    offsets: tuple[int, ...]
-    decodes: tuple[int, ...]  # sequences advancing by one token
-    prefills: tuple[int, ...]  # sequences advancing by a chunk of several
-    decode_rows: list[int]  # their token rows, in `decodes` order
-    last_rows: list[int]  # each sequence's last token row
-
-    @staticmethod
-    def of(states: Sequence[State], chunks: Sequence[torch.Tensor]) -> _Step:
-        """Validates the step before any state is touched."""
-        if not states or len(states) != len(chunks):
-            raise ValueError(
-                f"step needs one chunk per state, got {len(states)} states and {len(chunks)} chunks"
-            )
-        if len({id(s) for s in states}) != len(states):
-            raise ValueError("step: a state appears twice; each sequence advances once per step")
-        offsets, lengths = [], []
-        off = 0
-        for st, ch in zip(states, chunks, strict=True):
-            if ch.dim() != 1 or ch.shape[0] == 0:
-                raise ValueError(f"tokens must be a non-empty 1-D tensor, got shape {tuple(ch.shape)}")
-            n = int(ch.shape[0])
-            if st.position + n > st.capacity:
-                raise ValueError(
-                    f"state capacity {st.capacity} is too small for {st.position + n} tokens: "
-                    "allocate a larger state"
-                )
-            offsets.append(off)
-            lengths.append(n)
-            off += n
-        decodes = tuple(b for b, n in enumerate(lengths) if n == 1)
-        return _Step(
-            starts=tuple(s.position for s in states),
-            lengths=tuple(lengths),
-            offsets=tuple(offsets),
-            decodes=decodes,
-            prefills=tuple(b for b, n in enumerate(lengths) if n > 1),
-            decode_rows=[offsets[b] for b in decodes],
-            last_rows=[o + n - 1 for o, n in zip(offsets, lengths, strict=True)],
-        )
-
-    def positions(self, device: torch.device) -> torch.Tensor:
-        """Absolute position of every token [T] int64."""
-        return torch.cat(
-            [torch.arange(s, s + n, device=device) for s, n in zip(self.starts, self.lengths, strict=True)]
-        )
 
 
 def geometry_of(cfg: Qwen35Config, dtype: torch.dtype) -> Geometry:
@@ -602,12 +546,13 @@ def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype,
     device = placement.first
     embed = w("embed_tokens.weight", (cfg.vocab_size, hid))
     device = placement.last
-    if ckpt.has("lm_head.weight"):
-        lm_head = ckpt.load("lm_head.weight", dtype, device, shape=(cfg.vocab_size, hid))
-    elif cfg.tie_word_embeddings:
-        lm_head = embed.to(device)  # the same tensor unless the first and last stage differ
-    else:
-        raise CheckpointError(f"{ckpt.path}: lm_head.weight is missing and tie_word_embeddings is false")
+    lm_head = head_of(
+        ckpt,
+        lambda: ckpt.load(LM_HEAD, dtype, device, shape=(cfg.vocab_size, hid)),
+        embed,
+        device,
+        cfg.tie_word_embeddings,
+    )
     rope = build_rope(raw, d, placement.first)
     if rope.rotary_dim > d:
         raise CheckpointError(f"config.json: rotary dim {rope.rotary_dim} exceeds head_dim {d}")
@@ -631,98 +576,3 @@ def _dense_mlp(w: Callable[[str, tuple[int, ...]], torch.Tensor], p: str, hid: i
         [w(p + "gate_proj.weight", (inter, hid)), w(p + "up_proj.weight", (inter, hid))], dim=0
     )
     return _Mlp(w_gate_up=gate_up, w_down=w(p + "down_proj.weight", (hid, inter)))
-
-
-# -- demo models ----------------------------------------------------------------
-def demo_config(size: str) -> dict[str, Any]:
-    """A full config.json for a random-weight demo model (transformers can load the folder).
-    "small": ~110M params, 12 layers with 3 linear : 1 full attention; "tiny": for tests."""
-    if size == "small":
-        dims = dict(
-            vocab_size=32768, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-            num_attention_heads=8, num_key_value_heads=2, head_dim=128,
-            linear_num_key_heads=8, linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
-        )  # fmt: skip
-    elif size == "tiny":
-        dims = dict(
-            vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-        )  # fmt: skip
-    else:
-        raise ValueError(f"demo size {size!r} is unknown (use 'small' or 'tiny')")
-    n = int(dims["num_hidden_layers"])
-    return {
-        "architectures": ["Qwen3_5ForCausalLM"],
-        "model_type": "qwen3_5_text",
-        **dims,
-        "layer_types": [LINEAR if (i + 1) % 4 else FULL for i in range(n)],
-        "linear_conv_kernel_dim": 4,
-        "hidden_act": "silu",
-        "max_position_embeddings": 32768,
-        "initializer_range": 0.02,
-        "rms_norm_eps": 1e-6,
-        "use_cache": True,
-        "tie_word_embeddings": True,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "bos_token_id": None,
-        "eos_token_id": None,
-        "pad_token_id": None,
-        "dtype": "bfloat16",
-    }
-
-
-def init_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
-    """Deterministic bf16 weights under transformers' names for `config` (a demo_config dict):
-    projections N(0, initializer_range), residual-output projections scaled down by
-    sqrt(2 * layers), zero-centred norms at 0 (scale 1), gated-norm weights 1,
-    A_log = log(U(1, 16)), dt_bias 1 (transformers' own initialization)."""
-    cfg = Qwen35Config.from_dict(config)
-    gen = torch.Generator().manual_seed(seed)
-    std = float(config.get("initializer_range", 0.02))
-    out_std = std / math.sqrt(2 * cfg.num_layers)
-    hid, d, inter, hv = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.linear_num_value_heads
-
-    def normal(shape: tuple[int, ...], s: float) -> torch.Tensor:
-        return (torch.randn(shape, generator=gen) * s).to(torch.bfloat16)
-
-    def const(shape: tuple[int, ...], value: float) -> torch.Tensor:
-        return torch.full(shape, value, dtype=torch.bfloat16)
-
-    wts: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal((cfg.vocab_size, hid), std)}
-    for i, kind in enumerate(cfg.layer_types):
-        p = f"model.layers.{i}."
-        if kind == LINEAR:
-            la = p + "linear_attn."
-            wts[la + "in_proj_qkv.weight"] = normal((cfg.conv_dim, hid), std)
-            wts[la + "in_proj_z.weight"] = normal((cfg.value_dim, hid), std)
-            wts[la + "in_proj_b.weight"] = normal((hv, hid), std)
-            wts[la + "in_proj_a.weight"] = normal((hv, hid), std)
-            wts[la + "conv1d.weight"] = normal(
-                (cfg.conv_dim, 1, cfg.conv_kernel), 1.0 / math.sqrt(cfg.conv_kernel)
-            )
-            a = torch.empty(hv).uniform_(1.0, 16.0, generator=gen)
-            wts[la + "A_log"] = a.log().to(torch.bfloat16)
-            wts[la + "dt_bias"] = const((hv,), 1.0)
-            wts[la + "norm.weight"] = const((cfg.linear_value_head_dim,), 1.0)
-            wts[la + "out_proj.weight"] = normal((hid, cfg.value_dim), out_std)
-        else:
-            sa = p + "self_attn."
-            kv = cfg.num_kv_heads * d
-            wts[sa + "q_proj.weight"] = normal((cfg.num_heads * d * 2, hid), std)
-            wts[sa + "k_proj.weight"] = normal((kv, hid), std)
-            wts[sa + "v_proj.weight"] = normal((kv, hid), std)
-            wts[sa + "o_proj.weight"] = normal((hid, cfg.num_heads * d), out_std)
-            wts[sa + "q_norm.weight"] = const((d,), 0.0)
-            wts[sa + "k_norm.weight"] = const((d,), 0.0)
-        wts[p + "input_layernorm.weight"] = const((hid,), 0.0)
-        wts[p + "post_attention_layernorm.weight"] = const((hid,), 0.0)
-        wts[p + "mlp.gate_proj.weight"] = normal((inter, hid), std)
-        wts[p + "mlp.up_proj.weight"] = normal((inter, hid), std)
-        wts[p + "mlp.down_proj.weight"] = normal((hid, inter), out_std)
-    wts["model.norm.weight"] = const((hid,), 0.0)
-    if not cfg.tie_word_embeddings:
-        wts["lm_head.weight"] = normal((cfg.vocab_size, hid), std)
-    return wts

@@ -1,7 +1,9 @@
 """State, snapshots and attention for families whose layers are full or sliding-window
-attention (laguna, gpt_oss): the shared half of those backends. A family subclasses
-`SlidingKvBackend` and writes only its per-token math (`_hidden`: embeddings to final
-hidden states), calling `Batch.attend` for each attention layer.
+attention (laguna, gpt_oss, gemma3; dense is the case with every layer full): the shared half of
+those backends. `KvStateBackend` owns the state (new_state, export, adopt); a sliding family
+subclasses `SlidingKvBackend` and writes only its per-token math (`_hidden`: embeddings to final
+hidden states), calling `Batch.attend` for each attention layer. Dense subclasses
+`KvStateBackend` and keeps its own forward (its fused decode step, kernels/cpu_decode_step.py).
 
 State, by canonical name (docs/architecture.md, 'Model families', 'The backend contract'):
   full layer i:    `layers.{i}.k` / `.v`  [capacity, Hkv, D]  row a = position a
@@ -68,6 +70,11 @@ class KvLayout:
     num_kv_heads: int
     head_dim: int
 
+    @staticmethod
+    def all_full(num_layers: int, num_kv_heads: int, head_dim: int) -> KvLayout:
+        """Every layer full attention (no window: nothing is a ring)."""
+        return KvLayout((FULL,) * num_layers, 0, num_kv_heads, head_dim)
+
     def ring_size(self, capacity: int) -> int:
         return min(self.window, capacity)
 
@@ -97,16 +104,6 @@ def check_layer_types(layer_types: Sequence[str], num_layers: int, window: objec
             f"config.json: sliding_window must be a positive integer for sliding_attention layers, got {window!r}"
         )
     return out
-
-
-def refuse_unknown_fields(cfg: dict[str, object], known: set[str], family: str) -> None:
-    """Every config.json field must be one the family implements or knows to be inert."""
-    unknown = sorted(k for k in cfg if k not in known)
-    if unknown:
-        raise CheckpointError(
-            f"config.json: field(s) {unknown} are not supported by the {family} family "
-            "(remove them, or use a checkpoint without them)"
-        )
 
 
 class Batch:
@@ -227,39 +224,19 @@ class Batch:
         return out
 
 
-class SlidingKvBackend:
-    """The Backend contract (models/backend.py) for full + sliding attention families, minus
-    the family's math (`_hidden`, `_logits`)."""
+class KvStateBackend:
+    """The state half of the Backend contract (models/backend.py: new_state, export, adopt) for
+    families whose state is one K/V cache per attention layer, full or sliding: the sliding
+    families below and dense (every layer full attention, `KvLayout.all_full`)."""
 
-    family: str
-    ops: Ops  # set by the family
-
-    def __init__(
-        self,
-        layout: KvLayout,
-        vocab_size: int,
-        placement: Placement,
-        dtype: torch.dtype,
-        attention: SlidingAttentionOps,
-    ) -> None:
+    def __init__(self, layout: KvLayout, vocab_size: int, placement: Placement, dtype: torch.dtype) -> None:
         self.layout = layout
         self.vocab_size = vocab_size
         self.placement = placement
         self.device = placement.first  # where tokens enter; logits come out on placement.last
         self.dtype = dtype
-        self.attention = attention
         self.geometry = layout.geometry(dtype, vocab_size)
 
-    # -- the family's part ---------------------------------------------------------
-    def _hidden(self, batch: Batch, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [N] int64 -> final hidden states [N, hidden] (before the final norm)."""
-        raise NotImplementedError
-
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        """final hidden states [M, hidden] -> logits [M, vocab] float32."""
-        raise NotImplementedError
-
-    # -- state ---------------------------------------------------------------------
     def new_state(self, capacity: int) -> State:
         if capacity < 1:
             raise ValueError(f"state capacity must be >= 1 token, got {capacity}")
@@ -312,7 +289,8 @@ class SlidingKvBackend:
                 name = f"layers.{i}.{part}"
                 src, buf = snapshot.tensors[name], state.tensors[name]
                 if kind == FULL or p <= buf.shape[0]:
-                    buf[:p].copy_(src)
+                    if buf[:p].data_ptr() != src.data_ptr():  # equal when a restore read straight into `into`
+                        buf[:p].copy_(src)
                 else:
                     r = buf.shape[0]
                     slots = torch.arange(p - src.shape[0], p, device=buf.device) % r
@@ -323,6 +301,34 @@ class SlidingKvBackend:
 
     def new_keys(self) -> set[str]:
         return {s.name for s in self.geometry.specs if s.name != LOGITS}
+
+
+class SlidingKvBackend(KvStateBackend):
+    """The Backend contract (models/backend.py) for full + sliding attention families, minus
+    the family's math (`_hidden`, `_logits`)."""
+
+    family: str
+    ops: Ops  # set by the family
+
+    def __init__(
+        self,
+        layout: KvLayout,
+        vocab_size: int,
+        placement: Placement,
+        dtype: torch.dtype,
+        attention: SlidingAttentionOps,
+    ) -> None:
+        super().__init__(layout, vocab_size, placement, dtype)
+        self.attention = attention
+
+    # -- the family's part ---------------------------------------------------------
+    def _hidden(self, batch: Batch, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [N] int64 -> final hidden states [N, hidden] (before the final norm)."""
+        raise NotImplementedError
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """final hidden states [M, hidden] -> logits [M, vocab] float32."""
+        raise NotImplementedError
 
     # -- compute ---------------------------------------------------------------------
     def prefill(self, state: State, tokens: torch.Tensor) -> torch.Tensor:

@@ -206,3 +206,12 @@ def test_command_line(tmp_path: Path, tiny: Path) -> None:
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert again.returncode == 2
     assert "already exists (pass --force" in again.stderr
+
+
+def test_family_names_come_from_the_one_registry() -> None:
+    from keepwarm.engine.models import FAMILIES, FAMILY_ALIASES, family_of
+
+    assert set(demo_model.FAMILIES) == {*FAMILIES, *FAMILY_ALIASES}
+    assert family_of("hybrid") == family_of("qwen3_5") == "qwen3_5"
+    with pytest.raises(ValueError, match="family 'nope' is unknown"):
+        family_of("nope")

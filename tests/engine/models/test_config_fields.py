@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import torch
 
+from keepwarm.engine.demo.deepseek_v4 import demo_config
 from keepwarm.engine.loading.checkpoint import CheckpointError, open_checkpoint
 from keepwarm.engine.models import build_backend
 from keepwarm.engine.models.deepseek_v4_config import DeepseekV4Config
-from keepwarm.engine.models.deepseek_v4_weights import demo_config
 from keepwarm.engine.models.dense import HONOURED_FIELDS, NO_MATH_FIELDS, DenseConfig
 from keepwarm.engine.models.qwen3_5 import Qwen35Config
 from keepwarm.kernels.ops import TORCH_OPS

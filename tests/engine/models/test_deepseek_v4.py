@@ -13,9 +13,10 @@ import torch
 from safetensors.torch import save_file
 
 from keepwarm.engine.cache.snapshot import LOGITS, Snapshot
+from keepwarm.engine.demo.deepseek_v4 import demo_config, init_weights
 from keepwarm.engine.loading.checkpoint import open_checkpoint
 from keepwarm.engine.models import build_backend
-from keepwarm.engine.models.deepseek_v4 import DeepseekV4Backend, demo_config, init_weights
+from keepwarm.engine.models.deepseek_v4 import DeepseekV4Backend
 from keepwarm.engine.models.geometry import SnapshotMismatch
 from keepwarm.kernels.ops import TORCH_OPS
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from keepwarm.engine.cache.snapshot import Snapshot
+from keepwarm.engine.demo.gemma3 import demo_config, init_weights
 from keepwarm.engine.loading.checkpoint import CheckpointError, open_checkpoint
 from keepwarm.engine.models import build_backend
 from keepwarm.engine.models.gemma3 import (
@@ -22,9 +23,7 @@ from keepwarm.engine.models.gemma3 import (
     NO_MATH_FIELDS,
     Gemma3Backend,
     build,
-    demo_config,
     gelu_tanh,
-    init_weights,
 )
 from keepwarm.engine.models.geometry import SnapshotMismatch
 from keepwarm.kernels.ops import TORCH_OPS, cpu_ops

@@ -15,10 +15,11 @@ from transformers import GptOssConfig, GptOssForCausalLM
 
 from keepwarm.engine.cache.snapshot import Snapshot
 from keepwarm.engine.cache.snapshot_file import write_snapshot
+from keepwarm.engine.demo.gpt_oss import demo_config, init_weights
 from keepwarm.engine.loading.checkpoint import CheckpointError, open_checkpoint
 from keepwarm.engine.models import build_backend
 from keepwarm.engine.models.geometry import SnapshotMismatch
-from keepwarm.engine.models.gpt_oss import GptOssBackend, build, demo_config, init_weights
+from keepwarm.engine.models.gpt_oss import GptOssBackend, build
 from keepwarm.kernels.ops import TORCH_OPS
 from keepwarm.kernels.sliding_attention import TRITON_SLIDING
 from tests.engine.models import sliding_checks as checks

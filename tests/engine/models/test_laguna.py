@@ -13,10 +13,11 @@ import torch
 from transformers import LagunaConfig, LagunaForCausalLM
 
 from keepwarm.engine.cache.snapshot import Snapshot
+from keepwarm.engine.demo.laguna import demo_config, init_weights
 from keepwarm.engine.loading.checkpoint import CheckpointError, open_checkpoint
 from keepwarm.engine.models import build_backend
 from keepwarm.engine.models.geometry import SnapshotMismatch
-from keepwarm.engine.models.laguna import LagunaBackend, _Moe, build, demo_config, init_weights
+from keepwarm.engine.models.laguna import LagunaBackend, _Moe, build
 from keepwarm.kernels.ops import TORCH_OPS, cpu_ops
 from keepwarm.kernels.sliding_attention import TRITON_SLIDING
 from tests.engine.models import sliding_checks as checks

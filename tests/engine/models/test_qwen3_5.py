@@ -12,10 +12,11 @@ from safetensors.torch import save_file
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 from keepwarm.engine.cache.snapshot import LOGITS, Snapshot
+from keepwarm.engine.demo.qwen3_5 import demo_config, init_weights
 from keepwarm.engine.loading.checkpoint import CheckpointError, open_checkpoint
 from keepwarm.engine.models import build_backend
 from keepwarm.engine.models.geometry import SnapshotMismatch
-from keepwarm.engine.models.qwen3_5 import Qwen35Backend, build, demo_config, init_weights
+from keepwarm.engine.models.qwen3_5 import Qwen35Backend, build
 from keepwarm.kernels.delta_rule import TRITON_DELTA_RULE
 from keepwarm.kernels.ops import TORCH_OPS
 
