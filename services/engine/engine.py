@@ -21,6 +21,7 @@ from dataclasses import replace as replace_seq
 from itertools import count
 
 import torch
+from msgspec import UNSET
 
 from keepwarm.engine.cache.disk_cache import DiskCache
 from keepwarm.engine.cache.memory_cache import MemoryCache
@@ -598,7 +599,7 @@ class Engine:
             ttft_ms=(first - seq.reply.t_arrival) * 1000,
             prefill_saved_ms=saved_s * 1000,
             decode_tokens_per_sec=(n / seq.reply.decode_s) if seq.reply.decode_s > 0 else 0.0,
-            diverged_at=seq.reply.diverged_at,
+            diverged_at=UNSET if seq.reply.diverged_at is None else seq.reply.diverged_at,
         )
         return FinishEvent(
             seq.reply.finish_reason or "stop",

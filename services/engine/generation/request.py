@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from keepwarm.engine.cache.policy import Policy
 from keepwarm.engine.cache.prefix_cache import SessionHint
 from keepwarm.engine.generation.field_ranges import LOGIT_BIAS, RANGES, TOKEN_ID
 from keepwarm.engine.generation.sampling import SamplingParams
+from keepwarm.engine.serving.wire import Timings
 
 
 class RequestError(ValueError):
@@ -87,30 +88,6 @@ class GenerateRequest:
                     f"logit_bias maps token ids >= 0 to biases in {LOGIT_BIAS.interval()}, got {token}: {bias}",
                     param="logit_bias",
                 )
-
-
-@dataclass(frozen=True)
-class Timings:
-    cache_source: str = "none"  # memory | disk | none
-    restored_tokens: int = 0
-    restore_ms: float = 0.0
-    restore_bytes: int = 0
-    prefill_tokens: int = 0
-    prefill_ms: float = 0.0
-    decode_ms: float = 0.0
-    ttft_ms: float = 0.0
-    prefill_saved_ms: float = 0.0
-    decode_tokens_per_sec: float = 0.0
-    diverged_at: int | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        for k, v in d.items():
-            if isinstance(v, float):
-                d[k] = round(v, 2)
-        if d["diverged_at"] is None:
-            del d["diverged_at"]
-        return d
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,6 @@ from keepwarm.engine.generation.request import (
     FinishEvent,
     GenerateRequest,
     RequestError,
-    Timings,
     TokenEvent,
 )
 from keepwarm.engine.generation.sampling import SamplingError, SamplingParams
@@ -412,19 +411,13 @@ class ReplyParser:
         )
 
 
-def wire_timings(t: Timings) -> wire.Timings:
-    """The engine's timings as the wire carries them (Timings.as_dict: rounded, diverged_at only
-    when set)."""
-    return msgspec.convert(t.as_dict(), wire.Timings)
-
-
 def usage(ev: FinishEvent) -> wire.Usage:
     return wire.Usage(
         prompt_tokens=ev.prompt_tokens,
         completion_tokens=ev.completion_tokens,
         total_tokens=ev.prompt_tokens + ev.completion_tokens,
         prompt_tokens_details=wire.PromptTokensDetails(cached_tokens=ev.cached_tokens),
-        timings=wire_timings(ev.timings),
+        timings=ev.timings.rounded(),
     )
 
 
@@ -464,7 +457,7 @@ def total_usage(finishes: list[FinishEvent]) -> wire.Usage:
         completion_tokens=completion,
         total_tokens=first.prompt_tokens + completion,
         prompt_tokens_details=wire.PromptTokensDetails(cached_tokens=first.cached_tokens),
-        timings=wire_timings(first.timings),
+        timings=first.timings.rounded(),
     )
 
 

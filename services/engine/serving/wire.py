@@ -366,9 +366,10 @@ class PromptTokensDetails(Struct):
     cached_tokens: int
 
 
-class Timings(Struct):
-    """keepwarm's `usage.timings`: where the prompt's state came from and what each phase took
-    (milliseconds, rounded to 0.01); the engine's generation.request.Timings as sent."""
+class Timings(Struct, frozen=True):
+    """keepwarm's `usage.timings`, declared once: the engine fills it (generation/request.py's
+    FinishEvent), the wire carries it `rounded()`, the gateway decodes it. Where the prompt's
+    state came from and what each phase took, in milliseconds."""
 
     cache_source: str = "none"  # memory | disk | none
     restored_tokens: int = 0
@@ -381,6 +382,11 @@ class Timings(Struct):
     prefill_saved_ms: float = 0.0
     decode_tokens_per_sec: float = 0.0
     diverged_at: int | UnsetType = UNSET  # where a restored prefix stopped matching the prompt
+
+    def rounded(self) -> Timings:
+        """The milliseconds and rates to 0.01, as sent."""
+        floats = {f: round(v, 2) for f in self.__struct_fields__ if isinstance(v := getattr(self, f), float)}
+        return msgspec.structs.replace(self, **floats)
 
 
 class Usage(Struct):

@@ -355,14 +355,11 @@ def test_chat_template_kwargs_reach_the_template(engine: Proc) -> None:
 def test_wire_timings_carry_every_engine_timing() -> None:
     """usage.timings is typed (wire.Timings): the same fields as the engine's Timings, rounded,
     diverged_at only when set."""
-    import dataclasses
-
     import msgspec
 
     from keepwarm.engine.generation.request import Timings
-    from keepwarm.engine.serving.openai_format import wire_timings
 
-    assert wire.Timings.__struct_fields__ == tuple(f.name for f in dataclasses.fields(Timings))
-    t = msgspec.to_builtins(wire_timings(Timings(cache_source="disk", restore_ms=1.234567)))
+    assert Timings is wire.Timings  # one declaration: the engine's timings are the wire's
+    t = msgspec.to_builtins(Timings(cache_source="disk", restore_ms=1.234567).rounded())
     assert t["restore_ms"] == 1.23 and t["cache_source"] == "disk" and "diverged_at" not in t
-    assert msgspec.to_builtins(wire_timings(Timings(diverged_at=7)))["diverged_at"] == 7
+    assert msgspec.to_builtins(Timings(diverged_at=7).rounded())["diverged_at"] == 7
