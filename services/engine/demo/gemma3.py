@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from keepwarm.engine.demo.sizes import by_size
 from keepwarm.engine.models.gemma3 import FULL, GELU_TANH, SLIDING, Gemma3Config
 
 
@@ -15,20 +16,19 @@ def demo_config(size: str) -> dict[str, Any]:
     """A full config.json for a random-weight demo (transformers can load the folder): five
     local (window 512 / 16) to one global layer, Gemma 3 270M's shape for "small", a tiny one
     for tests."""
-    if size == "small":
-        dims = dict(
+    dims = by_size(
+        size,
+        small=dict(
             vocab_size=16384, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
             num_attention_heads=4, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
             sliding_window=512,
-        )  # fmt: skip
-    elif size == "tiny":
-        dims = dict(
+        ),
+        tiny=dict(
             vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=7,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
             sliding_window=16,
-        )  # fmt: skip
-    else:
-        raise ValueError(f"demo size {size!r} is unknown (use 'small' or 'tiny')")
+        ),
+    )  # fmt: skip
     n = int(dims["num_hidden_layers"])
     return {
         "architectures": ["Gemma3ForCausalLM"],

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from keepwarm.engine.demo.sizes import by_size
 from keepwarm.engine.models.laguna import DEFAULT_ROPE, DENSE, FULL, SLIDING, SPARSE, LagunaConfig
 
 
@@ -15,20 +16,19 @@ def demo_config(size: str) -> dict[str, Any]:
     """A full config.json for a random-weight demo (transformers can load the folder):
     3 sliding (window 128) : 1 full attention, per-layer head counts, a dense first MLP then
     MoE with a shared expert. "small" for the stack and benches, "tiny" for tests."""
-    if size == "small":
-        dims = dict(
+    dims = by_size(
+        size,
+        small=dict(
             vocab_size=16384, hidden_size=768, intermediate_size=2048, num_hidden_layers=8,
             num_attention_heads=12, num_key_value_heads=4, head_dim=64, num_experts=8,
             num_experts_per_tok=2, moe_intermediate_size=512, shared_expert_intermediate_size=512,
-        )  # fmt: skip
-    elif size == "tiny":
-        dims = dict(
+        ),
+        tiny=dict(
             vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
             num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
-        )  # fmt: skip
-    else:
-        raise ValueError(f"demo size {size!r} is unknown (use 'small' or 'tiny')")
+        ),
+    )  # fmt: skip
     n = int(dims["num_hidden_layers"])
     heads = int(dims["num_attention_heads"])
     kv = int(dims["num_key_value_heads"])

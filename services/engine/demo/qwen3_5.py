@@ -8,26 +8,26 @@ from typing import Any
 
 import torch
 
+from keepwarm.engine.demo.sizes import by_size
 from keepwarm.engine.models.qwen3_5 import FULL, LINEAR, Qwen35Config
 
 
 def demo_config(size: str) -> dict[str, Any]:
     """A full config.json for a random-weight demo model (transformers can load the folder).
     "small": ~110M params, 12 layers with 3 linear : 1 full attention; "tiny": for tests."""
-    if size == "small":
-        dims = dict(
+    dims = by_size(
+        size,
+        small=dict(
             vocab_size=32768, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
             num_attention_heads=8, num_key_value_heads=2, head_dim=128,
             linear_num_key_heads=8, linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
-        )  # fmt: skip
-    elif size == "tiny":
-        dims = dict(
+        ),
+        tiny=dict(
             vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-        )  # fmt: skip
-    else:
-        raise ValueError(f"demo size {size!r} is unknown (use 'small' or 'tiny')")
+        ),
+    )  # fmt: skip
     n = int(dims["num_hidden_layers"])
     return {
         "architectures": ["Qwen3_5ForCausalLM"],
