@@ -127,10 +127,12 @@ class DiskState:
         )
 
     def _forget_missing(self, namespace: str, key: str) -> None:
-        """A LIVE row whose file is gone (deleted by hand): drop it."""
+        """A LIVE row whose file is gone (deleted by hand): drop it. The row is read before
+        the file is looked for, so one published again after the look stays."""
         try:
-            if not os.path.lexists(self._path(namespace, key)):
-                self._ridx().remove([(namespace, key)])
+            row = self._ridx().get(namespace, key)
+            if row is not None and row.state == LIVE and not os.path.lexists(self._path(namespace, key)):
+                self._ridx().remove([row])
         except INDEX_ERRORS as e:
             self._error("index", e)
 
@@ -138,6 +140,11 @@ class DiskState:
         """A file that must not be adopted: deleted when it is ours (counted by reason),
         left alone otherwise; its row is dropped either way."""
         path = self._path(namespace, key)
+        try:
+            row = self._ridx().get(namespace, key)  # the publication whose file goes now
+        except INDEX_ERRORS as e:
+            self._error("index", e)
+            row = None
         deleted = unlink_if_ours(path, root=self.root)
         with self._lock:
             if count_miss:
@@ -150,8 +157,9 @@ class DiskState:
             self._once(
                 f"foreign:{reason}", "disk cache: left alone %s, not a snapshot of ours (%s)", path, detail
             )
-        try:
-            self._ridx().remove([(namespace, key)], states=(LIVE,))
-        except INDEX_ERRORS as e:
-            self._error("index", e)
+        if row is not None and row.state == LIVE:
+            try:
+                self._ridx().remove([row])
+            except INDEX_ERRORS as e:
+                self._error("index", e)
         return deleted

@@ -505,12 +505,14 @@ class CacheIndex:
                 f"INSERT OR IGNORE INTO entries ({_COLUMNS}) VALUES ({_marks()})", [r.values() for r in rows]
             )
 
-    def remove(self, keys: Iterable[tuple[str, str]], *, states: Sequence[int] = (LIVE,)) -> None:
-        marks = ",".join("?" * len(states))
+    def remove(self, rows: Iterable[Row]) -> None:
+        """Drop these LIVE rows (their files are gone or bad), each only while it is the
+        publication it was read as (`created` and `since`): a row that another process
+        published again meanwhile, its file on disk, stays."""
         with self._write() as c:
             c.executemany(
-                f"DELETE FROM entries WHERE namespace=? AND key=? AND state IN ({marks})",
-                [(ns, key, *states) for ns, key in keys],
+                "DELETE FROM entries WHERE namespace=? AND key=? AND state=0 AND created=? AND since=?",
+                [(r.namespace, r.key, r.created, r.since) for r in rows],
             )
 
     def all_rows(self) -> tuple[list[Row], int]:

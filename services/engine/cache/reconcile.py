@@ -194,14 +194,14 @@ class Reconcile(DiskState):
         by_key = {(r.namespace, r.key): r for r in rows}
         foreign = Counter(scan.foreign)
         fresh: list[Row] = []
-        replaced: list[tuple[str, str]] = []
+        replaced: list[Row] = []
         for (ns, key), size in scan.files.items():
             r = by_key.get((ns, key))
             if r is not None and (r.state != LIVE or r.bytes == size):
                 continue
             row = self._row_from_file(ns, key, size, foreign)
             if r is not None:
-                replaced.append((ns, key))  # a LIVE row whose file changed size
+                replaced.append(r)  # a LIVE row whose file changed size
             if row is not None:
                 fresh.append(row)
         if replaced:
@@ -210,7 +210,7 @@ class Reconcile(DiskState):
             idx.insert(fresh)
         wall = time.time()
         gone = [
-            (r.namespace, r.key)
+            r
             for r in rows
             if r.state == LIVE
             and (r.namespace, r.key) not in scan.files

@@ -335,14 +335,13 @@ for i = 2, #ARGV, 3 do
 end
 return n
 """,
-    # states ('0,1'), ns, key, ... -> rows deleted (those in one of the states)
+    # ns, key, created, since, ... -> rows deleted (each only while LIVE and the same
+    # publication: its created and since)
     "remove": r"""
-local want = {}
-for s in string.gmatch(ARGV[2], '%d+') do want[tonumber(s)] = true end
 local n = 0
-for i = 3, #ARGV, 2 do
+for i = 2, #ARGV, 4 do
   local r = get(ARGV[i], ARGV[i + 1])
-  if r and want[r[5]] then
+  if r and r[5] == 0 and r[4] == tonumber(ARGV[i + 2]) and r[7] == tonumber(ARGV[i + 3]) then
     put(ARGV[i], ARGV[i + 1], r, nil)
     n = n + 1
   end
@@ -680,10 +679,11 @@ class ValkeyIndex:
         if triples:
             self._run("insert", *triples)
 
-    def remove(self, keys: Iterable[tuple[str, str]], *, states: Sequence[int] = (LIVE,)) -> None:
-        pairs = [part for ns_key in keys for part in ns_key]
-        if pairs:
-            self._run("remove", ",".join(str(int(s)) for s in states), *pairs)
+    def remove(self, rows: Iterable[Row]) -> None:
+        """CacheIndex.remove: each LIVE row only while it is the publication it was read as."""
+        quads = [part for r in rows for part in (r.namespace, r.key, repr(r.created), repr(r.since))]
+        if quads:
+            self._run("remove", *quads)
 
     def drop_garbage(self) -> int:
         """Delete every row that does not validate (unless it changed meanwhile); the number deleted."""

@@ -4,6 +4,8 @@ runs once per backend; two handles on one folder stand for two processes."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -87,9 +89,16 @@ def test_rows_lengths_and_usage(open_index: Opener) -> None:
     assert b.lengths(NS) == frozenset({10, 12, 20})  # another handle's change is seen
     u = b.usage()
     assert u.by_namespace == {NS: (3, 300), OTHER: (1, 100)} and u.committed_bytes == 400
-    a.remove([(NS, "key-0004")], states=(WRITING,))  # not in that state: kept
-    assert a.get(NS, "key-0004") is not None
-    a.remove([(NS, "key-0004")])
+    row = a.get(NS, "key-0004")
+    assert row is not None
+    a.remove([dataclasses.replace(row, created=row.created + 1)])  # another publication: kept
+    a.remove([dataclasses.replace(row, since=row.since + 1)])
+    assert a.get(NS, "key-0004") == row
+    a.insert([writing("key-0005", "a")])
+    a.remove([writing("key-0005", "a")])  # only LIVE rows are removed
+    assert a.get(NS, "key-0005") == writing("key-0005", "a")
+    a.release(NS, "key-0005")
+    a.remove([row])
     assert a.get(NS, "key-0004") is None and b.lengths(NS) == frozenset({10, 12})
     rows, bad = b.all_rows()
     assert bad == 0 and {r.key for r in rows} == {"key-0001", "key-0002", "key-0003"}
