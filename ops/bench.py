@@ -840,7 +840,7 @@ def bench_serve(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["engine", "cache", "serve", "peer", "quality"])
+    p.add_argument("what", choices=["engine", "cache", "serve", "peer", "quality", "spec"])
     p.add_argument(
         "--model",
         type=packaged_model.resolve,
@@ -924,6 +924,10 @@ def main(argv: list[str] | None = None) -> int:
         if a.quant:
             model = peer.requantized(a.model, a.quant, bin_dir, bin_dir.parent / "models")
         result = peer.bench_peer(model, a.threads, bin_dir, a.rounds, a.idle_wait, work, a.dtype)
+    elif a.what == "spec":
+        import spec_bench
+
+        result = spec_bench.bench_spec(a.model, a.dtype, a.threads, a.rounds)
     elif a.what == "quality":
         result = bench_quality(a.model, DTYPES[a.dtype], a.prompt_tokens)
     elif a.what == "cache":

@@ -37,6 +37,8 @@ class RequestRecord:
     completion_tokens: int
     diverged_at: int | None
     restore_bytes: int = 0  # counted when the engine reports timings.restore_bytes
+    drafted_tokens: int = 0  # speculative decoding (timings.drafted_tokens / accepted_tokens)
+    accepted_tokens: int = 0
 
     @property
     def hit(self) -> bool:
@@ -92,4 +94,6 @@ class RequestRecord:
             if isinstance(diverged, int) and not isinstance(diverged, bool)
             else None,
             restore_bytes=_num(t, "restore_bytes", int),
+            drafted_tokens=_num(t, "drafted_tokens", int),
+            accepted_tokens=_num(t, "accepted_tokens", int),
         )

@@ -31,6 +31,8 @@ _INT_FIELDS = (
     "restore_bytes",
     "hits_memory",
     "hits_disk",
+    "drafted_tokens",
+    "accepted_tokens",
 )
 _MS_FIELDS = ("prefill_ms", "prefill_saved_ms", "restore_ms")
 
@@ -61,6 +63,8 @@ class StatsStore:
             pipe.hincrby(totals, "cached_tokens", rec.cached_tokens)
             pipe.hincrby(totals, "completion_tokens", rec.completion_tokens)
             pipe.hincrby(totals, "restore_bytes", rec.restore_bytes)
+            pipe.hincrby(totals, "drafted_tokens", rec.drafted_tokens)
+            pipe.hincrby(totals, "accepted_tokens", rec.accepted_tokens)
             if rec.cache_source in ("memory", "disk"):
                 pipe.hincrby(totals, f"hits_{rec.cache_source}", 1)
             pipe.hincrbyfloat(totals, "prefill_ms", rec.prefill_ms)
@@ -99,6 +103,8 @@ class StatsStore:
                 "restore_bytes": ints["restore_bytes"],
                 "hits_by_tier": {"memory": ints["hits_memory"], "disk": ints["hits_disk"]},
                 "completion_tokens": ints["completion_tokens"],
+                "drafted_tokens": ints["drafted_tokens"],
+                "accepted_tokens": ints["accepted_tokens"],
             },
             "ttft_ms": {"cold": [float(v) for v in cold], "warm": [float(v) for v in warm]},
             "recent": [json.loads(r) for r in recent],

@@ -21,6 +21,7 @@ import torch
 from keepwarm import settings as keepwarm_settings
 from keepwarm.engine.cache.index_protocol import INDEX_KINDS
 from keepwarm.engine.cache.policy import Policy, parse_policy
+from keepwarm.engine.generation.speculation import SPECULATE_MODES
 from keepwarm.engine.loading import packaged_model
 from keepwarm.settings import (
     SettingsError,
@@ -226,6 +227,20 @@ class EngineConfig:
         "on its batch neighbours, its prefill chunks or a cache restore (bitwise); `false` trades "
         "that for speed (see BENCHMARKS.md for the measured cost)",
     )
+    speculate: str = setting(
+        "off",
+        help="speculative decoding: `ngram` drafts the tokens that followed the text's last n-gram "
+        "earlier in the prompt or reply and verifies them in the batched step (the reply is bit for bit "
+        "the same; a request's `speculate: false` turns it off), `off`; `mtp` is refused (no loader "
+        "keeps multi-token-prediction weights yet)",
+    )
+    speculate_k: int = setting(8, help="most tokens drafted per step (1..16); fewer while drafts miss")
+    speculate_ngram: str = setting(
+        "3:1",
+        help="the n-gram lengths prompt lookup matches, LONGEST:SHORTEST (1 <= SHORTEST <= LONGEST <= 8), "
+        "longest tried first",
+        metavar="N:M",
+    )
     enforce_eager: bool = setting(
         False,
         help="run every decode step eagerly; otherwise, on a GPU, a dense model's decode step is "
@@ -260,6 +275,20 @@ class EngineConfig:
         if self.writer_nice is not None:
             return self.writer_nice
         return 19 if sys.platform == "linux" else 0
+
+    def ngram_lengths(self) -> tuple[int, int]:
+        """--speculate-ngram as (longest, shortest)."""
+        longest, _, shortest = self.speculate_ngram.partition(":")
+        try:
+            n, m = int(longest), int(shortest or longest)
+        except ValueError:
+            n = m = 0
+        if not 1 <= m <= n <= 8:
+            raise ConfigError(
+                f"--speculate-ngram {self.speculate_ngram!r}: write LONGEST:SHORTEST with "
+                "1 <= SHORTEST <= LONGEST <= 8, e.g. 3:1"
+            )
+        return n, m
 
     @property
     def served_name(self) -> str:
@@ -317,6 +346,16 @@ class EngineConfig:
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+        self.ngram_lengths()  # raises on a bad --speculate-ngram
+        if self.speculate not in SPECULATE_MODES:
+            raise ConfigError(f"--speculate {self.speculate!r}: use off or ngram")
+        if self.speculate == "mtp":
+            raise ConfigError(
+                "--speculate mtp: no model loader keeps multi-token-prediction weights yet (DeepSeek V4 "
+                "num_nextn_predict_layers, Qwen3.5 mtp.*); use --speculate ngram"
+            )
+        if not 1 <= self.speculate_k <= 16:
+            raise ConfigError(f"--speculate-k {self.speculate_k} must be in 1..16")
         if self.writer_nice is not None and not 0 <= self.writer_nice <= 19:
             raise ConfigError(
                 f"--writer-nice {self.writer_nice} must be in 0..19 (19: the lowest CPU priority)"

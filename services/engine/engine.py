@@ -39,6 +39,7 @@ from keepwarm.engine.generation.grammar import (
     apply_token_bitmask_,
     matcher_for,
 )
+from keepwarm.engine.generation.ngram_draft import NgramDraft
 from keepwarm.engine.generation.prefill_cost import PrefillCost
 from keepwarm.engine.generation.request import FinishEvent, GenerateRequest, RequestError, Timings, TokenEvent
 from keepwarm.engine.generation.runner import Runner, StepOutput
@@ -46,6 +47,7 @@ from keepwarm.engine.generation.sampling import LogitsRules, Sampler
 from keepwarm.engine.generation.scheduler import Scheduler, SchedulerOutput
 from keepwarm.engine.generation.sequence import Decoding, Event, Prompt, Reply, Sequence, Status
 from keepwarm.engine.generation.snapshot_pipeline import SnapshotPipeline
+from keepwarm.engine.generation.speculation import DraftSource, Speculation
 from keepwarm.engine.generation.state_memory import StateMemory
 from keepwarm.engine.generation.stopping import StopChecker
 from keepwarm.engine.loading.chat_template import ChatTemplate, ChatTemplateError
@@ -53,6 +55,7 @@ from keepwarm.engine.loading.checkpoint import Checkpoint, open_checkpoint
 from keepwarm.engine.models import build_backend, check_quantize, keeps_blocks
 from keepwarm.engine.models.backend import weight_bytes_by_type
 from keepwarm.engine.models.placement import Placement
+from keepwarm.engine.models.rewind import Rewind
 from keepwarm.engine.serving.tool_calls import encode_chat_with_tools, tool_format_for
 from keepwarm.kernels.ops import kernels_id
 
@@ -83,6 +86,8 @@ class EngineStats:
     step_tokens: int = 0
     step_seconds: float = 0.0
     preemptions: int = 0
+    drafted_tokens: int = 0  # speculative decoding: tokens drafted and verified ...
+    accepted_tokens: int = 0  # ... and of those, kept (the reply is the same either way)
     calibration_prefills: int = 0  # warm-up prefills of the prefill cost model (never a request's)
 
 
@@ -174,6 +179,11 @@ class Engine:
         self.ids = count()
         self.grammar_tokenizer: GrammarTokenizer | None = None  # built on the first constrained request
         self.tool_format = tool_format_for(self.template.source)  # of requests that send tools
+        # speculative decoding's draft source per sequence (--speculate; a test may set its own)
+        self.new_draft_source: Callable[[], DraftSource] | None = None
+        if cfg.speculate == "ngram":
+            longest, shortest = cfg.ngram_lengths()
+            self.new_draft_source = lambda: NgramDraft(cfg.speculate_k, longest, shortest)
 
     @property
     def memory(self) -> StateMemory:
@@ -363,6 +373,7 @@ class Engine:
                 matcher=matcher,
             ),
             reply=Reply(on_event=on_event, should_stop=should_stop),
+            spec=self._speculation(req),
         )
         seq.reply.group.append(seq)
         with self.waiting_lock:
@@ -371,6 +382,20 @@ class Engine:
             self.num_waiting += 1
         self.inbox.put(seq)
         return seq
+
+    def _speculation(self, req: GenerateRequest) -> Speculation | None:
+        """A sequence's speculative decoding: the engine's (--speculate) unless the request
+        turns it off; a request that asks for it from an engine without it is a 400."""
+        if req.speculate is False:
+            return None
+        if self.new_draft_source is None:
+            if req.speculate:
+                raise RequestError(
+                    "speculate: true needs an engine started with --speculate ngram; leave speculate out",
+                    param="speculate",
+                )
+            return None
+        return Speculation(self.new_draft_source(), self.cfg.speculate_k)
 
     def _matcher(self, req: GenerateRequest, choice: int = 0) -> TokenMatcher | None:
         """The grammar matcher of a constrained request (compiled per choice); a
@@ -444,7 +469,8 @@ class Engine:
         for b in plan.scheduled:
             seq = b.seq
             assert seq.state is not None
-            share = out.seconds * b.num_tokens / out.num_tokens if out.num_tokens else 0.0
+            rows = b.num_tokens + len(b.draft)
+            share = out.seconds * rows / out.num_tokens if out.num_tokens else 0.0
             if b.num_tokens and seq.position <= seq.num_prompt_tokens and not seq.num_generated:
                 seq.reply.prefill_s += share
                 if seq.position in seq.save_points:
@@ -455,7 +481,10 @@ class Engine:
                 seq.reply.decode_s += share
             if seq.num_generated == 0 and seq.reply.choice == 0:
                 self._prefilled(seq)
-            self._sample(seq, out.logits[seq.seq_id])
+            if b.draft:
+                self._verify(seq, b.draft, out.logits[seq.seq_id], out.rewinds[seq.seq_id])
+            else:
+                self._sample(seq, out.logits[seq.seq_id])
             if seq.reply.finish_reason is not None:
                 done.append(seq)
         self._checkpoint([s for s in done if s.reply.checkpoint])
@@ -467,6 +496,24 @@ class Engine:
         self.stats.prefill_seconds += seq.reply.prefill_s
         if seq.num_preemptions == 0 and n > 0:
             self.prefill_cost.record(seq.restored, n, seq.reply.prefill_s)
+
+    def _verify(self, seq: Sequence, draft: tuple[int, ...], rows: torch.Tensor, rewind: Rewind) -> None:
+        """Speculative decoding's check (generation/speculation.py): sample each row in order,
+        from the logits after the tokens before it, while the sampler picks the draft; the
+        state then covers exactly what plain decoding's would (models/rewind.py)."""
+        accepted = 0
+        for i in range(len(draft) + 1):
+            self._sample(seq, rows[i])
+            if seq.reply.finish_reason is not None or i == len(draft) or seq.tokens[-1] != draft[i]:
+                break
+            accepted += 1
+        self.stats.drafted_tokens += len(draft)
+        self.stats.accepted_tokens += accepted
+        assert seq.spec is not None
+        seq.spec.observe(len(draft), accepted)
+        if seq.state is not None:  # released when its reply ended without a checkpoint
+            keep = min(len(seq.tokens) - 1, rewind.start + rewind.rows)
+            rewind.to(seq.state, keep, rows[keep - rewind.start - (rewind.rows - len(draft))])
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> None:
         if seq.num_generated == 0 and seq.request.n > 1 and seq.reply.choice == 0:
@@ -512,6 +559,7 @@ class Engine:
                     matcher=self._matcher(req, choice),
                 ),
                 reply=replace_seq(parent.reply, choice=choice, t_first_token=None, checkpoint=False),
+                spec=self._speculation(req),
                 status=Status.WAITING,
                 state=None,
                 parked=snap,
@@ -599,6 +647,8 @@ class Engine:
             ttft_ms=(first - seq.reply.t_arrival) * 1000,
             prefill_saved_ms=saved_s * 1000,
             decode_tokens_per_sec=(n / seq.reply.decode_s) if seq.reply.decode_s > 0 else 0.0,
+            drafted_tokens=seq.spec.drafted if seq.spec else 0,
+            accepted_tokens=seq.spec.accepted if seq.spec else 0,
             diverged_at=UNSET if seq.reply.diverged_at is None else seq.reply.diverged_at,
         )
         return FinishEvent(

@@ -91,6 +91,15 @@ def _cache_figures(stats: dict) -> None:
     )
     c[3].metric("Engines healthy", f"{ov.engines_healthy}/{ov.engines_total}")
 
+    c = st.columns(4)
+    c[0].metric(
+        "Draft acceptance",
+        views.fmt_pct(ov.acceptance_rate),
+        help="speculative decoding (--speculate ngram): drafted tokens the model's own choice confirmed",
+    )
+    c[1].metric("Tokens drafted", f"{ov.drafted_tokens:,}")
+    c[2].metric("Tokens accepted", f"{ov.accepted_tokens:,}", help="generated without a step of their own")
+
 
 def _concurrency(client: GatewayClient) -> None:
     st.subheader("Concurrency")

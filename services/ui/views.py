@@ -68,6 +68,13 @@ class Overview:
     uptime_seconds: float | None
     engines_total: int
     engines_healthy: int
+    drafted_tokens: int = 0  # speculative decoding: tokens drafted and verified ...
+    accepted_tokens: int = 0  # ... and kept
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted over drafted tokens; None before any draft."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else None
 
 
 def overview(stats: Mapping[str, Any], now: float) -> Overview:
@@ -101,6 +108,8 @@ def overview(stats: Mapping[str, Any], now: float) -> Overview:
         uptime_seconds=uptime,
         engines_total=len(engines),
         engines_healthy=sum(1 for e in engines if e.get("healthy")),
+        drafted_tokens=int(t.get("drafted_tokens", 0)),
+        accepted_tokens=int(t.get("accepted_tokens", 0)),
     )
 
 

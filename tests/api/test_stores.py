@@ -31,7 +31,7 @@ USAGE = {
     "prompt_tokens_details": {"cached_tokens": 64},
     "timings": {"cache_source": "disk", "restored_tokens": 64, "restore_ms": 3.5, "prefill_tokens": 36,
                 "prefill_ms": 12.25, "decode_ms": 20.0, "ttft_ms": 16.0, "prefill_saved_ms": 30.5,
-                "decode_tokens_per_sec": 350.0, "diverged_at": 80},
+                "decode_tokens_per_sec": 350.0, "drafted_tokens": 9, "accepted_tokens": 6, "diverged_at": 80},
 }  # fmt: skip
 
 
@@ -47,7 +47,7 @@ def test_record_from_usage() -> None:
         "ts": 1000.0, "session": "s1", "tenant": "alpha", "engine": "http://e1", "prompt_tokens": 100,
         "cached_tokens": 64, "cache_source": "disk", "ttft_ms": 16.0, "prefill_ms": 12.25,
         "prefill_saved_ms": 30.5, "restore_ms": 3.5, "restored_tokens": 64, "completion_tokens": 7,
-        "diverged_at": 80, "restore_bytes": 0,
+        "diverged_at": 80, "restore_bytes": 0, "drafted_tokens": 9, "accepted_tokens": 6,
     }  # fmt: skip
     assert r.hit
     # A sparse or odd usage object reads as zeros and "none", never raises.
@@ -104,6 +104,7 @@ async def test_stats_totals_and_bounded_lists(valkey: Proc, redis_sync: redis.Re
         "hit_rate_tokens": 144 / 350, "prefill_seconds": (90.0 + 4.0 + 12.25 + 90.0) / 1000,
         "prefill_saved_seconds": (60.0 + 30.5) / 1000, "restore_seconds": (1.0 + 3.5) / 1000,
         "restore_bytes": 4096, "hits_by_tier": {"memory": 1, "disk": 1}, "completion_tokens": 20,
+        "drafted_tokens": 9, "accepted_tokens": 6,
     }  # fmt: skip
     assert snap["ttft_ms"] == {"cold": [100.0, 100.0], "warm": [16.0, 10.0]}
     assert [x["ts"] for x in snap["recent"]] == [1003.0, 1002.0, 1001.0]

@@ -171,3 +171,15 @@ def test_bench_quality_reports_the_perplexity_of_both_weight_modes(
     # the blocks' exact weights against the same values dequantized (float32 here): the int16
     # activations cost well under 1 % of perplexity
     assert 1 < r["ppl_bf16"] < 100 and abs(r["ppl_ratio_as_file"] - 1) < 0.01
+
+
+def test_bench_spec_reports_speedup_cost_and_acceptance_with_the_same_replies(
+    tiny_dense_model: Path, tmp_path: Path
+) -> None:
+    """The bench itself fails when a reply differs with speculation on and off."""
+    r = _bench(tmp_path, "spec", "--model", str(tiny_dense_model), "--rounds", "1")
+    assert {"spec_speedup_quote", "spec_cost_chat", "acceptance_rate", "load_average_1m"} <= r.keys()
+    assert r["quote_prompt_tokens"] > 500 and r["quote_reply_tokens"] > 0 and r["chat_reply_tokens"] > 0
+    assert r["drafted_tokens"] > 0 and r["acceptance_rate"] == round(
+        r["accepted_tokens"] / r["drafted_tokens"], 3
+    )

@@ -81,6 +81,7 @@ def test_overview_figures(canned_gateway, refresh_s: float) -> None:
     assert (m["Hits from memory"], m["Hits from disk"]) == ("1", "1")
     assert m["Warm TTFT speedup"] == "4.0×"
     assert m["Engines healthy"] == "1/1"
+    assert (m["Draft acceptance"], m["Tokens drafted"], m["Tokens accepted"]) == ("75.0%", "40", "30")
     assert not at.info  # there is data: no "no requests yet" banner
     assert (m["Sequences running"], m["Sequences waiting"], m["Engines serving"]) == ("5", "1", "2/3")
     per_engine = at.table[0].value

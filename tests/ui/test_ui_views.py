@@ -20,13 +20,14 @@ def test_overview_figures() -> None:
     assert ov.hits_by_tier == {"memory": 1, "disk": 1}
     assert (ov.engines_healthy, ov.engines_total) == (1, 1)
     assert ov.uptime_seconds == pytest.approx(1800.0)
+    assert (ov.drafted_tokens, ov.accepted_tokens, ov.acceptance_rate) == (40, 30, 0.75)
 
 
 def test_overview_with_no_data_yet() -> None:
     ov = views.overview(EMPTY_STATS, now=1_700_000_100.0)
     assert ov.requests == 0
     assert ov.hit_rate_requests is None and ov.hit_rate_tokens is None  # shown as "–", not 0%
-    assert ov.restore_bandwidth is None
+    assert ov.restore_bandwidth is None and ov.acceptance_rate is None  # no draft yet: "–"
     assert ov.saved_per_hour == 0.0
     empty = views.overview({}, now=5.0)
     assert empty.uptime_seconds is None and empty.saved_per_hour is None and empty.engines_total == 0

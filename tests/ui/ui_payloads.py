@@ -19,6 +19,8 @@ STATS: dict[str, Any] = {
         "restore_bytes": 50 * 1024 * 1024,
         "hits_by_tier": {"memory": 1, "disk": 1},
         "completion_tokens": 24,
+        "drafted_tokens": 40,
+        "accepted_tokens": 30,
     },
     "ttft_ms": {"cold": [400.0], "warm": [80.0, 120.0]},
     "recent": [
@@ -44,6 +46,7 @@ EMPTY_STATS: dict[str, Any] = {
         "requests": 0, "hits": 0, "hit_rate_requests": 0.0, "prompt_tokens": 0, "cached_tokens": 0,
         "hit_rate_tokens": 0.0, "prefill_seconds": 0.0, "prefill_saved_seconds": 0.0, "restore_seconds": 0.0,
         "restore_bytes": 0, "hits_by_tier": {"memory": 0, "disk": 0}, "completion_tokens": 0,
+        "drafted_tokens": 0, "accepted_tokens": 0,
     },
     "ttft_ms": {"cold": [], "warm": []},
     "recent": [],

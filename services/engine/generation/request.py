@@ -74,6 +74,7 @@ class GenerateRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in -100..100)
     constraint: Constraint | None = None
     parallel_tool_calls: bool = True  # a tool_choice constraint may emit several calls
+    speculate: bool | None = None  # speculative decoding: None the engine's --speculate, False off
 
     def __post_init__(self) -> None:
         for name in ("n", "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty"):

@@ -3,7 +3,8 @@
 Per step, a token budget (`max_batch_tokens`) is shared: first one token for each
 running sequence that is decoding, then prefill chunks for running sequences
 still prefilling (oldest first), then newly admitted sequences (first come,
-first served, preempted ones before new ones). A prefill chunk ends at the
+first served, preempted ones before new ones), and what is left to speculative drafts
+of decoding sequences (never a row anyone else would have had). A prefill chunk ends at the
 sequence's next save point, so snapshots are taken at exact positions; a long
 prompt therefore delays running decodes by at most one step. At most
 `max_seqs` sequences run at once.
@@ -115,6 +116,7 @@ class Scheduler:
             batch.append(Scheduled(seq, n))
             budget -= n
         self.waiting.extendleft(reversed(deferred))  # back in their places, in order
+        batch = self._draft(batch, budget)
         preempted: list[Sequence] = []
         batch = self._fit(batch, preempted, out_of_memory)
         return SchedulerOutput(tuple(batch), tuple(admitted), tuple(preempted), tuple(out_of_memory))
@@ -146,6 +148,23 @@ class Scheduler:
             admitted.append(seq)
         return True
 
+    @staticmethod
+    def _draft(batch: list[Scheduled], budget: int) -> list[Scheduled]:
+        """What the budget has left after every decode and prefill goes to drafts of decoding
+        sequences that speculate (generation/speculation.py), in batch order: a draft never
+        takes a row from anyone. A draft stops before the reply's token limit."""
+        out = []
+        for b in batch:
+            seq = b.seq
+            if budget > 0 and seq.spec is not None and b.num_tokens > 0 and seq.num_generated > 0:
+                room = seq.decoding.max_new_tokens - seq.num_generated - 1
+                draft = seq.spec.propose(seq.tokens, min(budget, room))
+                if draft:
+                    b = Scheduled(seq, b.num_tokens, draft)
+                    budget -= len(draft)
+            out.append(b)
+        return out
+
     def _fit(
         self, batch: list[Scheduled], preempted: list[Sequence], out_of_memory: list[Sequence]
     ) -> list[Scheduled]:
@@ -156,12 +175,16 @@ class Scheduler:
             seq = b.seq
             if b not in keep or seq.state is None:
                 continue
-            need = seq.state.position + b.num_tokens
+            need = seq.state.position + b.num_tokens + len(b.draft)
             while need > seq.state.capacity:
                 grown = self.memory.grow(seq.state, need)
                 if grown is not None:
                     seq.state = grown
                     break
+                if b.draft:  # a draft never preempts anyone: it goes instead
+                    keep[keep.index(b)] = b = Scheduled(seq, b.num_tokens)
+                    need = seq.state.position + b.num_tokens
+                    continue
                 victim = self.running[-1]
                 if victim is seq and len(self.running) == 1:
                     self.running.remove(seq)  # alone and out of memory: end the reply here

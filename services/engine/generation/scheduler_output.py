@@ -17,6 +17,7 @@ from keepwarm.engine.generation.sequence import Sequence
 class Scheduled:
     seq: Sequence
     num_tokens: int  # tokens fed this step; 0: sample from the logits the state already has
+    draft: tuple[int, ...] = ()  # drafted tokens fed after them and verified (speculation.py)
 
 
 @dataclass(frozen=True)

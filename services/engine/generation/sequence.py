@@ -6,7 +6,8 @@ points and the cache's answer; `Decoding` holds what the sampler needs (sampler,
 stop checker, grammar matcher, token limit) and `Reply` what the reply needs (where
 its events go, how it ended, the n > 1 group, its timings). Invariants:
   - `tokens[:state.position]` is exactly what the state covers;
-  - while decoding, position == len(tokens) - 1: the last sampled token is fed next;
+  - while decoding, position < len(tokens): the tokens from position on (the last sampled
+    one; after a rejected draft on a state that replays, the accepted ones before it) are fed next;
   - `state` is None unless the sequence is RUNNING.
 """
 
@@ -23,6 +24,7 @@ from keepwarm.engine.cache.snapshot import Snapshot
 from keepwarm.engine.generation.grammar import TokenMatcher
 from keepwarm.engine.generation.request import FinishEvent, GenerateRequest, TokenEvent
 from keepwarm.engine.generation.sampling import Sampler
+from keepwarm.engine.generation.speculation import Speculation
 from keepwarm.engine.generation.stopping import StopChecker
 from keepwarm.engine.models.backend import State
 
@@ -95,6 +97,7 @@ class Sequence:
     hit: Hit | None = None  # the cached prefix its state was restored from
     num_preemptions: int = 0
     queued: bool = True  # counted in the engine's bounded waiting queue (until first admitted)
+    spec: Speculation | None = None  # speculative decoding's drafts (None: plain decoding)
 
     @property
     def salt(self) -> str:

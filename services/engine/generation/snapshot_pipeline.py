@@ -157,8 +157,9 @@ class SnapshotPipeline:
         room = []
         for seq in seqs:
             assert seq.state is not None
-            if seq.state.position + 1 > seq.state.capacity:
-                grown = memory.grow(seq.state, seq.state.position + 1)
+            need = len(seq.tokens)  # the last token; after a rejected draft maybe a few more
+            if need > seq.state.capacity:
+                grown = memory.grow(seq.state, need)
                 if grown is None:
                     memory.free(seq.state)  # no room for one more row: no checkpoint, the room freed now
                     seq.state = None
@@ -166,6 +167,6 @@ class SnapshotPipeline:
                 seq.state = grown
             room.append(seq)
         if room:
-            runner.run([Scheduled(s, 1) for s in room])
+            runner.run([Scheduled(s, s.num_tokens_to_feed()) for s in room])
             for seq in room:
                 self.save(seq, len(seq.tokens))

@@ -60,14 +60,17 @@ class Backend(Protocol):
         """Advance `state` by one token; return logits [vocab] float32."""
         ...
 
-    def step(self, states: Sequence[State], chunks: Sequence[torch.Tensor]) -> torch.Tensor:
+    def step(
+        self, states: Sequence[State], chunks: Sequence[torch.Tensor], heads: Sequence[int] | None = None
+    ) -> torch.Tensor:
         """One batched forward: advance `states[i]` by `chunks[i]` [n_i] int64 (a decode
         is a chunk of one token; sequences are distinct). Matrix products run over all
         sum(n_i) tokens at once; attention and recurrent/compressed state per sequence.
-        Returns logits [len(states), vocab] float32 after each chunk's last token and
-        sets each `state.logits` and `state.position`. Each row must equal what
-        `prefill(states[i], chunks[i])` alone gives (same greedy tokens; float32 within
-        the family's parity tolerance)."""
+        Returns logits [sum(heads), vocab] float32 after each chunk's last `heads[i]` tokens
+        (1 each when `heads` is None: a verified draft needs one row per drafted token) and
+        sets each `state.logits` (its chunk's last row) and `state.position`. Each row must
+        equal what `prefill(states[i], chunks[i])` alone gives (same greedy tokens; float32
+        within the family's parity tolerance)."""
         ...
 
     def export(self, state: State) -> Snapshot:

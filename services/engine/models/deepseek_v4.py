@@ -355,27 +355,28 @@ class DeepseekV4Backend:
     def decode(self, state: State, token: int) -> torch.Tensor:
         return self._forward([state], [torch.tensor([token], device=self.device)])[0]
 
-    def step(self, states: Sequence[State], chunks: Sequence[torch.Tensor]) -> torch.Tensor:
+    def step(
+        self, states: Sequence[State], chunks: Sequence[torch.Tensor], heads: Sequence[int] | None = None
+    ) -> torch.Tensor:
         """Batched forward (backend.py): mHC, projections, compressor and indexer projections,
         MoE and the head over all sum(n_i) tokens at once; sliding window, compressors,
         indexer scores and attention per sequence. Logits [B, vocab] float32."""
-        return self._forward(states, chunks)
+        return self._forward(states, chunks, heads)
 
     def forward(self, state: State, tokens: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
         """Advance `state` by `tokens` [T] (one chunk, any size, any position); logits
         [1 or T, vocab] float32."""
-        return self._forward([state], [tokens], all_logits)
+        return self._forward([state], [tokens], [len(tokens)] if all_logits else None)
 
     @torch.inference_mode()
     def _forward(
-        self, states: Sequence[State], chunks: Sequence[torch.Tensor], all_logits: bool = False
+        self, states: Sequence[State], chunks: Sequence[torch.Tensor], heads: Sequence[int] | None = None
     ) -> torch.Tensor:
         """Advance each `states[b]` by `chunks[b]` [n_b] in one pass over T = sum(n_b) tokens.
-        Logits [B, vocab] float32 after each chunk's last token, or [T, vocab] with
-        `all_logits` (one sequence only)."""
+        Logits [sum(heads), vocab] float32: after each chunk's last `heads[b]` tokens (its last
+        token when `heads` is None)."""
         c = self.cfg
-        step = Step.of(states, chunks)
-        assert not all_logits or len(states) == 1, "all_logits is for one sequence"
+        step = Step.of(states, chunks, heads)
         tokens = torch.cat([ch.reshape(-1) for ch in chunks]).to(self.device).long()
         t = tokens.shape[0]
         x = F.embedding(tokens, self.embed)
@@ -397,14 +398,13 @@ class DeepseekV4Backend:
             post, comb, collapsed = _hc_weights(layer.ffn_hc, streams, c, self.ops)
             h = self.ops.rms_norm_1p(collapsed, layer.ffn_norm, c.rms_norm_eps)
             streams = _hc_merge(streams, self._moe(layer, h, tokens), post, comb)
-        if not all_logits:
-            streams = streams[step.last_rows]
+        streams = streams[step.head_rows]
         x = self._hc_head(streams)
         normed = self.ops.rms_norm_1p(x, self.final_norm, c.rms_norm_eps)
         logits = self.ops.linear(normed, self.lm_head).float()
         for b, st in enumerate(states):
             st.position = step.starts[b] + step.lengths[b]
-            st.logits = logits[-1 if all_logits else b].clone()
+            st.logits = logits[step.head_last[b]].clone()
         return logits
 
     def _hc_head(self, streams: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ from keepwarm.engine.models.moe import Moe, load_experts, moe
 from keepwarm.engine.models.placement import Placement
 from keepwarm.engine.models.rope import Rope, build_rope
 from keepwarm.engine.models.sliding import KvLayout, KvStateBackend
+from keepwarm.engine.models.step import head_rows
 from keepwarm.engine.models.weights import LM_HEAD
 from keepwarm.engine.models.weights import lm_head as head_of
 from keepwarm.kernels.cpu_decode_step import DecodeStep, DenseShape
@@ -261,28 +262,31 @@ class DenseBackend(KvStateBackend):
     def decode(self, state: State, token: int) -> torch.Tensor:
         return self._forward([state], [torch.tensor([token], device=self.device)])[0]
 
-    def step(self, states: Sequence[State], chunks: Sequence[torch.Tensor]) -> torch.Tensor:
-        return self._forward(states, chunks)
+    def step(
+        self, states: Sequence[State], chunks: Sequence[torch.Tensor], heads: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        return self._forward(states, chunks, heads)
 
     def forward(self, state: State, tokens: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
         """Advance `state` by `tokens` [T]; logits [1 or T, vocab] float32."""
-        return self._forward([state], [tokens], all_logits)
+        return self._forward([state], [tokens], [len(tokens)] if all_logits else None)
 
     @torch.inference_mode()
     def _forward(
-        self, states: Sequence[State], chunks: Sequence[torch.Tensor], all_logits: bool = False
+        self, states: Sequence[State], chunks: Sequence[torch.Tensor], heads: Sequence[int] | None = None
     ) -> torch.Tensor:
         """Advance each state by its chunk in one pass: the projections and the MLP run over
         all T = sum(n_i) tokens; RoPE, the K/V write and attention per sequence (the decoding
         sequences' attention in one batched call).
-        Logits [B, vocab] float32 (after each chunk's last token), or [T, vocab] with
-        `all_logits` (one sequence only)."""
+        Logits [sum(heads), vocab] float32: after each chunk's last `heads[b]` tokens (its
+        last token when `heads` is None)."""
         c, ops = self.cfg, self.ops
         lens = [int(ch.shape[0]) for ch in chunks]
         starts = [s.position for s in states]
         for s, n in zip(states, lens, strict=True):
             assert n >= 1 and s.position + n <= s.capacity, f"state capacity {s.capacity} exceeded"
         t = sum(lens)
+        rows, lasts = head_rows(lens, heads)
         offs = list(itertools.accumulate(lens, initial=0))[:-1]  # sequence j's first row of the step
         tokens = torch.cat([ch.reshape(-1) for ch in chunks]).to(self.device)
         x = embedding(tokens, self.embed, self.dtype)
@@ -292,7 +296,7 @@ class DenseBackend(KvStateBackend):
             positions = torch.cat([torch.arange(p, p + n) for p, n in zip(starts, lens, strict=True)])
             cos, sin = self.rope.cos_sin_at(positions, self.dtype)
         fused = None
-        if self._step is not None and not all_logits and t == len(states):  # a decode step
+        if self._step is not None and t == len(states):  # a decode step
             caches = [a for s in states for a in self.state_addresses(s)]
             fused = self._step.run(x, cos, sin, caches, starts)
         for i, layer in enumerate(self.layers if fused is None else ()):
@@ -311,15 +315,12 @@ class DenseBackend(KvStateBackend):
             x = self._mlp(layer, x, self._attention(q, keys, values, lens, offs))
         if fused is not None:
             x = fused
-        if all_logits:
-            assert len(states) == 1, "all_logits is for one sequence"
-        else:
-            x = x[-1:] if len(states) == 1 else x[[off + n - 1 for off, n in zip(offs, lens, strict=True)]]
+        if len(rows) < t:
+            x = x[-1:] if rows == [t - 1] else x[rows]
         logits = ops.project(ops.rms_norm(x, self.final_norm, c.rms_norm_eps), self.lm_head).float()
-        rows = [logits[-1]] if all_logits else list(logits)
-        for state, start, n, row in zip(states, starts, lens, rows, strict=True):
+        for state, start, n, last in zip(states, starts, lens, lasts, strict=True):
             state.position = start + n
-            state.logits = row
+            state.logits = logits[last]
         return logits
 
     def _qkv(

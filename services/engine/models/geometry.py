@@ -15,6 +15,12 @@ class SnapshotMismatch(ValueError):
     """A snapshot does not fit the loaded model's geometry (wrong name, dtype or shape)."""
 
 
+def all_rows(position: int) -> int:
+    """`TensorSpec.rows` of a tensor with one row per position (a full attention layer's K/V):
+    a step writes rows at and after its start only."""
+    return position
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """One state tensor: its name, dtype and shape at a given position.

@@ -36,7 +36,7 @@ from keepwarm.engine.cache.snapshot import LOGITS, Snapshot
 from keepwarm.engine.loading.checkpoint import Checkpoint, CheckpointError
 from keepwarm.engine.models.backend import State
 from keepwarm.engine.models.config_fields import refuse_quantized, require_silu
-from keepwarm.engine.models.geometry import Geometry, SnapshotMismatch, TensorSpec
+from keepwarm.engine.models.geometry import Geometry, SnapshotMismatch, TensorSpec, all_rows
 from keepwarm.engine.models.moe import Mlp as _Mlp
 from keepwarm.engine.models.moe import Moe as _Moe
 from keepwarm.engine.models.moe import load_experts
@@ -284,26 +284,27 @@ class Qwen35Backend:
     def decode(self, state: State, token: int) -> torch.Tensor:
         return self._forward([state], [torch.tensor([token], dtype=torch.int64, device=self.device)])[0]
 
-    def step(self, states: Sequence[State], chunks: Sequence[torch.Tensor]) -> torch.Tensor:
+    def step(
+        self, states: Sequence[State], chunks: Sequence[torch.Tensor], heads: Sequence[int] | None = None
+    ) -> torch.Tensor:
         """Batched forward (backend.py): projections, MLP/MoE and the head over all sum(n_i)
         tokens at once; conv windows, delta-rule states and attention per sequence (the
         decodes of a step share one conv and one delta-rule call). Logits [B, vocab] float32."""
-        return self._forward(states, chunks)
+        return self._forward(states, chunks, heads)
 
     def forward(self, state: State, tokens: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
         """Advance `state` by `tokens` [T] int64; logits [1 or T, vocab] float32."""
-        return self._forward([state], [tokens], all_logits)
+        return self._forward([state], [tokens], [len(tokens)] if all_logits else None)
 
     @torch.inference_mode()
     def _forward(
-        self, states: Sequence[State], chunks: Sequence[torch.Tensor], all_logits: bool = False
+        self, states: Sequence[State], chunks: Sequence[torch.Tensor], heads: Sequence[int] | None = None
     ) -> torch.Tensor:
         """Advance each `states[b]` by `chunks[b]` [n_b] in one pass over T = sum(n_b) tokens.
-        Logits [B, vocab] float32 after each chunk's last token, or [T, vocab] with
-        `all_logits` (one sequence only)."""
+        Logits [sum(heads), vocab] float32: after each chunk's last `heads[b]` tokens (its last
+        token when `heads` is None)."""
         c = self.cfg
-        step = Step.of(states, chunks)
-        assert not all_logits or len(states) == 1, "all_logits is for one sequence"
+        step = Step.of(states, chunks, heads)
         tokens = torch.cat([ch.reshape(-1) for ch in chunks]).to(self.device)
         x = F.embedding(tokens, self.embed)  # [T, hidden]
         cos, sin = self.rope.cos_sin_at(step.positions(self.device), self.dtype)  # [T, R]
@@ -318,13 +319,12 @@ class Qwen35Backend:
                 x = x + self._attention(i, layer.mixer, h, states, step, cos, sin)
             h = self.ops.rms_norm_1p(x, layer.post_norm, c.rms_norm_eps)
             x = x + self._mlp(layer.mlp, h)
-        if not all_logits:
-            x = x[step.last_rows]
+        x = x[step.head_rows]
         normed = self.ops.rms_norm_1p(x, self.final_norm, c.rms_norm_eps)
         logits = self.ops.linear(normed, self.lm_head).float()
         for b, st in enumerate(states):
             st.position = step.starts[b] + step.lengths[b]
-            st.logits = logits[-1 if all_logits else b].clone()
+            st.logits = logits[step.head_last[b]].clone()
         return logits
 
     def _linear(
@@ -444,14 +444,10 @@ def geometry_of(cfg: Qwen35Config, dtype: torch.dtype) -> Geometry:
             )
         else:
             kv = (-1, cfg.num_kv_heads, cfg.head_dim)
-            specs.append(TensorSpec(f"layers.{i}.k", dtype, kv, length_dim=0, rows=_identity))
-            specs.append(TensorSpec(f"layers.{i}.v", dtype, kv, length_dim=0, rows=_identity))
+            specs.append(TensorSpec(f"layers.{i}.k", dtype, kv, length_dim=0, rows=all_rows))
+            specs.append(TensorSpec(f"layers.{i}.v", dtype, kv, length_dim=0, rows=all_rows))
     specs.append(TensorSpec(LOGITS, torch.float32, (cfg.vocab_size,)))
     return Geometry(tuple(specs))
-
-
-def _identity(position: int) -> int:
-    return position
 
 
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:

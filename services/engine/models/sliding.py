@@ -31,9 +31,10 @@ import torch
 from keepwarm.engine.cache.snapshot import LOGITS, Snapshot
 from keepwarm.engine.loading.checkpoint import CheckpointError
 from keepwarm.engine.models.backend import State
-from keepwarm.engine.models.geometry import Geometry, SnapshotMismatch, TensorSpec
+from keepwarm.engine.models.geometry import Geometry, SnapshotMismatch, TensorSpec, all_rows
 from keepwarm.engine.models.placement import Placement
 from keepwarm.engine.models.rope import Rope
+from keepwarm.engine.models.step import head_rows
 from keepwarm.kernels.ops import Ops
 from keepwarm.kernels.sliding_attention import SlidingAttentionOps
 
@@ -55,10 +56,6 @@ class WindowRows:
     def layout_key(self) -> str:
         """Part of Geometry.layout_id (and so of the cache namespace): another window, other rows."""
         return f"window={self.window}"
-
-
-def all_rows(position: int) -> int:
-    return position
 
 
 @dataclass(frozen=True)
@@ -122,10 +119,6 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         return self.offsets[-1]
-
-    def last_rows(self) -> torch.Tensor:
-        """Index [B] of each sequence's last token in the concatenation (on the last stage)."""
-        return torch.tensor([o - 1 for o in self.offsets[1:]], device=self.backend.placement.last)
 
     def cos_sin(self, rope: Rope, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [N, Dr] at every token's absolute position."""
@@ -337,17 +330,22 @@ class SlidingKvBackend(KvStateBackend):
     def decode(self, state: State, token: int) -> torch.Tensor:
         return self.forward(state, torch.tensor([token], dtype=torch.int64, device=self.device))[-1]
 
-    def step(self, states: Sequence[State], chunks: Sequence[torch.Tensor]) -> torch.Tensor:
+    def step(
+        self, states: Sequence[State], chunks: Sequence[torch.Tensor], heads: Sequence[int] | None = None
+    ) -> torch.Tensor:
         """Batched forward (backend.py): projections and MoE over all sum(n_i) tokens at once,
-        attention per sequence. Logits [B, vocab] float32 after each chunk's last token."""
-        return self._run(states, chunks, all_logits=False)
+        attention per sequence. Logits [sum(heads), vocab] float32 after each chunk's last
+        `heads[b]` tokens (its last token when `heads` is None)."""
+        return self._run(states, chunks, heads)
 
     def forward(self, state: State, tokens: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
         """Advance `state` by `tokens` [T]; logits [1 or T, vocab] float32."""
-        return self._run([state], [tokens], all_logits)
+        return self._run([state], [tokens], [len(tokens)] if all_logits else None)
 
     @torch.inference_mode()
-    def _run(self, states: Sequence[State], chunks: Sequence[torch.Tensor], all_logits: bool) -> torch.Tensor:
+    def _run(
+        self, states: Sequence[State], chunks: Sequence[torch.Tensor], heads: Sequence[int] | None
+    ) -> torch.Tensor:
         if not states or len(states) != len(chunks):
             raise ValueError(
                 f"step needs one chunk per state, got {len(states)} states and {len(chunks)} chunks"
@@ -371,13 +369,15 @@ class SlidingKvBackend(KvStateBackend):
                             st.tensors[name] = st.tensors[name].clone()
                 del st.extra[_RING_VIEWS]
         batch = Batch(self, states, chunks)
+        rows, lasts = head_rows(batch.lengths, heads)
         tokens = (
             torch.cat([c.to(self.device) for c in chunks]) if len(chunks) > 1 else chunks[0].to(self.device)
         )
         h = self._hidden(batch, tokens)
-        logits = self._logits(h if all_logits else h[batch.last_rows()])
+        if len(rows) < batch.num_tokens:
+            h = h[torch.tensor(rows, device=h.device)]
+        logits = self._logits(h)
         for b, st in enumerate(states):
             st.position = batch.starts[b] + batch.lengths[b]
-            last = batch.offsets[b + 1] - 1 if all_logits else b
-            st.logits = logits[last].clone()
+            st.logits = logits[lasts[b]].clone()
         return logits

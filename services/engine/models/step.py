@@ -24,10 +24,15 @@ class Step:
     prefills: tuple[int, ...]  # sequences advancing by a chunk of several
     decode_rows: list[int]  # their token rows, in `decodes` order
     last_rows: list[int]  # each sequence's last token row
+    head_rows: list[int]  # the rows the step computes logits for (`heads`), in order
+    head_last: list[int]  # where each sequence's last row sits among `head_rows`
 
     @staticmethod
-    def of(states: Sequence[State], chunks: Sequence[torch.Tensor]) -> Step:
-        """Validates the step before any state is touched."""
+    def of(
+        states: Sequence[State], chunks: Sequence[torch.Tensor], heads: Sequence[int] | None = None
+    ) -> Step:
+        """Validates the step before any state is touched. `heads[b]`: how many of chunk b's
+        last rows need logits (a verified draft needs one per drafted token; None: 1 each)."""
         if not states or len(states) != len(chunks):
             raise ValueError(
                 f"step needs one chunk per state, got {len(states)} states and {len(chunks)} chunks"
@@ -49,6 +54,7 @@ class Step:
             lengths.append(n)
             off += n
         decodes = tuple(b for b, n in enumerate(lengths) if n == 1)
+        rows, lasts = head_rows(lengths, heads)
         return Step(
             starts=tuple(s.position for s in states),
             lengths=tuple(lengths),
@@ -57,6 +63,8 @@ class Step:
             prefills=tuple(b for b, n in enumerate(lengths) if n > 1),
             decode_rows=[offsets[b] for b in decodes],
             last_rows=[o + n - 1 for o, n in zip(offsets, lengths, strict=True)],
+            head_rows=rows,
+            head_last=lasts,
         )
 
     def positions(self, device: torch.device) -> torch.Tensor:
@@ -64,3 +72,22 @@ class Step:
         return torch.cat(
             [torch.arange(s, s + n, device=device) for s, n in zip(self.starts, self.lengths, strict=True)]
         )
+
+
+def head_rows(lengths: Sequence[int], heads: Sequence[int] | None) -> tuple[list[int], list[int]]:
+    """The rows of a step (chunks of `lengths`, concatenated) that get logits: the last
+    `heads[b]` rows of each chunk b (its last row when `heads` is None), in order; and where
+    each chunk's last row sits among them (its `state.logits`)."""
+    if heads is not None and len(heads) != len(lengths):
+        raise ValueError(f"step: {len(heads)} head counts for {len(lengths)} chunks")
+    rows: list[int] = []
+    lasts: list[int] = []
+    off = 0
+    for b, n in enumerate(lengths):
+        h = 1 if heads is None else heads[b]
+        if not 1 <= h <= n:
+            raise ValueError(f"step: chunk {b} has {n} tokens, cannot give logits for its last {h}")
+        rows.extend(range(off + n - h, off + n))
+        lasts.append(len(rows) - 1)
+        off += n
+    return rows, lasts

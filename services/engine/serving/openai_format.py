@@ -229,11 +229,12 @@ def _constraint(body: wire.ChatCompletionRequest, tools: tuple[dict[str, Any], .
     return chosen
 
 
-def _sampler_fields(body: Any) -> dict[str, float]:
+def _sampler_fields(body: Any) -> dict[str, Any]:
     return {
         "presence_penalty": body.presence_penalty or 0.0,
         "frequency_penalty": body.frequency_penalty or 0.0,
         "repetition_penalty": 1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        "speculate": body.speculate,
     }
 
 

@@ -98,6 +98,7 @@ class EngineCollector:
         yield CounterMetricFamily(
             "keepwarm_preemptions", "Sequences preempted (snapshot to RAM) for memory", value=s.preemptions
         )
+        yield from self._speculation()
         engines = self.models.engines()
         yield GaugeMetricFamily(
             "keepwarm_state_memory_bytes",
@@ -122,6 +123,33 @@ class EngineCollector:
             )
         if engines:
             yield from self._disk(engines[0])
+
+    def _speculation(self) -> Iterable[Metric]:
+        """Speculative decoding per model family: drafted and accepted tokens, and their ratio."""
+        by_family: dict[str, tuple[int, int]] = {}
+        for slot in self.models.slots.values():
+            d, a = by_family.get(slot.family, (0, 0))
+            by_family[slot.family] = (d + slot.stats.drafted_tokens, a + slot.stats.accepted_tokens)
+        drafted = CounterMetricFamily(
+            "keepwarm_spec_drafted_tokens",
+            "Speculative decoding: tokens drafted and verified",
+            labels=["family"],
+        )
+        accepted = CounterMetricFamily(
+            "keepwarm_spec_accepted_tokens",
+            "Speculative decoding: drafted tokens kept (the reply is the same either way)",
+            labels=["family"],
+        )
+        rate = GaugeMetricFamily(
+            "keepwarm_spec_acceptance_rate",
+            "Accepted over drafted tokens (0 before any draft)",
+            labels=["family"],
+        )
+        for family, (d, a) in sorted(by_family.items()):
+            drafted.add_metric([family], d)
+            accepted.add_metric([family], a)
+            rate.add_metric([family], a / d if d else 0.0)
+        yield from (drafted, accepted, rate)
 
     def _model_set(self) -> Iterable[Metric]:
         loaded = GaugeMetricFamily(

@@ -233,6 +233,7 @@ class SamplingFields(Struct, kw_only=True, forbid_unknown_fields=True):
     prefix_cache: PrefixCacheOptions | None = None
     cache_salt: str | None = None
     session_hint: SessionHintBody | None = None
+    speculate: bool | None = None  # false: no speculative decoding for this request (same reply)
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True):
@@ -381,6 +382,8 @@ class Timings(Struct, frozen=True):
     ttft_ms: float = 0.0
     prefill_saved_ms: float = 0.0
     decode_tokens_per_sec: float = 0.0
+    drafted_tokens: int = 0  # speculative decoding: tokens drafted and verified for this reply ...
+    accepted_tokens: int = 0  # ... and kept (the reply is the same either way)
     diverged_at: int | UnsetType = UNSET  # where a restored prefix stopped matching the prompt
 
     def rounded(self) -> Timings:

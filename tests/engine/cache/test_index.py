@@ -5,7 +5,6 @@ runs once per backend; two handles on one folder stand for two processes."""
 from __future__ import annotations
 
 import dataclasses
-
 import math
 from collections.abc import Callable, Iterator
 from pathlib import Path

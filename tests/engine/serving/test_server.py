@@ -128,6 +128,18 @@ def test_cache_admin_lists_and_clears(engine: Proc) -> None:
             "a number",
         ),
         ({"messages": [{"role": "user", "content": "word " * 2500}]}, 413, "messages", "max_context 2048"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "speculate": "yes"},
+            400,
+            "speculate",
+            "true or false",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "speculate": True},
+            400,
+            "speculate",
+            "--speculate ngram",
+        ),
     ],
 )
 def test_bad_input_names_the_field(engine: Proc, body: dict, status: int, param: str, words: str) -> None:
