@@ -68,6 +68,42 @@ def test_metrics_count_requests_hits_and_ttft(engine: Proc) -> None:
     assert "keepwarm_disk_cache_rejected_files" in after
 
 
+@pytest.fixture(scope="module")
+def spec_engine(tiny_dense_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    tmp = tmp_path_factory.mktemp("engine-spec")
+    proc = start_engine(tiny_dense_model, tmp / "cache", tmp / "logs", extra=["--speculate", "ngram"])
+    yield proc
+    proc.stop()
+
+
+def test_speculation_reports_drafts_per_reply_and_per_family_with_the_plain_replies(
+    engine: Proc, spec_engine: Proc
+) -> None:
+    before = httpx.get(spec_engine.url + "/metrics").text
+    drafted = accepted = 0
+    for content, temp in (("the mill, the mill, the mill and the river " * 4, 0), ("say more", 0.8)):
+        kw = {"max_tokens": 48, "temperature": temp, "seed": 5}
+        spec = chat(spec_engine, content, **kw).json()
+        assert spec["choices"][0]["message"] == chat(engine, content, **kw).json()["choices"][0]["message"]
+        off = chat(spec_engine, content, speculate=False, **kw).json()
+        assert off["choices"][0]["message"] == spec["choices"][0]["message"]
+        assert off["usage"]["timings"]["drafted_tokens"] == 0
+        t = spec["usage"]["timings"]
+        assert 0 <= t["accepted_tokens"] <= t["drafted_tokens"]
+        drafted, accepted = drafted + t["drafted_tokens"], accepted + t["accepted_tokens"]
+    assert drafted > 0
+    after = httpx.get(spec_engine.url + "/metrics").text
+    (line,) = [x for x in after.splitlines() if x.startswith("keepwarm_spec_drafted_tokens_total{")]
+    label = line[line.index("{") : line.index("}") + 1]  # the one model's family
+    assert label == '{family="dense"}'
+    for name, n in (
+        ("keepwarm_spec_drafted_tokens_total", drafted),
+        ("keepwarm_spec_accepted_tokens_total", accepted),
+    ):
+        assert metric(after, name + label) - metric(before, name + label) == n
+    assert metric(after, "keepwarm_spec_acceptance_rate" + label) == pytest.approx(accepted / drafted)
+
+
 def test_stream_sends_keepalives_while_queued_then_usage_and_done(engine: Proc) -> None:
     # A long request holds the only running slot (--max-seqs 1): the stream below waits.
     blocker = threading.Thread(
