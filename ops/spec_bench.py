@@ -29,6 +29,10 @@ CHAT = (
     "Give me three ideas for a rainy Sunday afternoon.",
     "Why is the sky blue? Answer in two sentences.",
     "Write a haiku about coffee.",
+    "How do I keep basil alive on a windowsill?",
+    "Explain what a prime number is to a ten-year-old.",
+    "Suggest a name for a bakery by the sea.",
+    "What should I pack for a weekend in the mountains?",
 )
 
 

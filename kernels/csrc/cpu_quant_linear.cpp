@@ -312,7 +312,22 @@ void run(const Prepared& p, const uint8_t* w, const T* bias, T* y, int64_t M, in
           for (int i = 0; i < kTile; ++i) emit(r + i, n, out[i][0]);
         }
       }
-      for (; r < M; ++r) {  // decode (and the last rows): 4 columns' chains side by side
+      for (; r + 2 <= M; r += 2) {  // a short chunk (a verified draft): 2 rows share each column's unpacked blocks
+        int64_t n = n0;
+        for (; n + 2 * kTileCols <= n1; n += 2 * kTileCols) {
+          float out[2][2 * kTileCols];
+          if (M < kTile) prefetch(w + (n + kAhead) * row_bytes, w + (n + kAhead + 2 * kTileCols) * row_bytes, w + N * row_bytes);
+          tile<K, 2, 2 * kTileCols>(w + n * row_bytes, row_bytes, nb, p, r, Kdim, out);
+          for (int i = 0; i < 2; ++i)
+            for (int j = 0; j < 2 * kTileCols; ++j) emit(r + i, n + j, out[i][j]);
+        }
+        for (; n < n1; ++n) {
+          float out[2][1];
+          tile<K, 2, 1>(w + n * row_bytes, row_bytes, nb, p, r, Kdim, out);
+          for (int i = 0; i < 2; ++i) emit(r + i, n, out[i][0]);
+        }
+      }
+      for (; r < M; ++r) {  // decode (and the last row): 4 columns' chains side by side
         int64_t n = n0;
         for (; n + 4 <= n1; n += 4) {
           float out[1][4];

@@ -501,16 +501,19 @@ class Engine:
         """Speculative decoding's check (generation/speculation.py): sample each row in order,
         from the logits after the tokens before it, while the sampler picks the draft; the
         state then covers exactly what plain decoding's would (models/rewind.py)."""
+        spec = seq.spec
+        assert spec is not None
+        spec.drafted += len(draft)  # counted before a sample can end the reply (its usage reads them)
+        self.stats.drafted_tokens += len(draft)
         accepted = 0
         for i in range(len(draft) + 1):
             self._sample(seq, rows[i])
             if seq.reply.finish_reason is not None or i == len(draft) or seq.tokens[-1] != draft[i]:
                 break
             accepted += 1
-        self.stats.drafted_tokens += len(draft)
-        self.stats.accepted_tokens += accepted
-        assert seq.spec is not None
-        seq.spec.observe(len(draft), accepted)
+            spec.accepted += 1
+            self.stats.accepted_tokens += 1
+        spec.adapt(len(draft), accepted)
         if seq.state is not None:  # released when its reply ended without a checkpoint
             keep = min(len(seq.tokens) - 1, rewind.start + rewind.rows)
             rewind.to(seq.state, keep, rows[keep - rewind.start - (rewind.rows - len(draft))])

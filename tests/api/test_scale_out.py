@@ -167,8 +167,10 @@ def test_three_engines_two_gateways_one_engine_killed(
 ) -> None:
     t_start = time.monotonic()
     cache = tmp_path / "cache"
+    # --speculate off: the kill must land mid-reply, and the demo model's replies repeat themselves,
+    # which prompt lookup would finish in a few steps
     flags = ["--disk-budget", str(DISK_BUDGET), "--min-free-disk", "0", "--writer-queue", "64",
-             "--max-context", "1024"]  # fmt: skip
+             "--max-context", "1024", "--speculate", "off"]  # fmt: skip
     engines = [start_engine(demo_model, cache, logs, extra=flags, token=ENGINE_TOKEN, wait=False)
                for _ in range(3)]  # fmt: skip
     procs: list[Proc] = list(engines)

@@ -93,9 +93,11 @@ class ChunkRecorder:
         self._backend = backend
         self.chunks: list[tuple[int, int]] = []
 
-    def step(self, states: Sequence[State], chunks: Sequence[torch.Tensor]) -> torch.Tensor:
+    def step(
+        self, states: Sequence[State], chunks: Sequence[torch.Tensor], heads: Sequence[int] | None = None
+    ) -> torch.Tensor:
         starts = [s.position for s in states]
-        out = self._backend.step(states, chunks)
+        out = self._backend.step(states, chunks, heads)
         self.chunks.extend((a, s.position) for a, s in zip(starts, states, strict=True))
         return out
 

@@ -42,8 +42,8 @@ class Speculation:
         self.fed = 0  # tokens of the sequence the source has seen
         self.rest = 0  # steps left without drafting
         self.misses = 0  # drafts in a row with nothing accepted
-        self.drafted = 0
-        self.accepted = 0
+        self.drafted = 0  # tokens drafted and verified for this sequence ...
+        self.accepted = 0  # ... and kept
 
     def propose(self, tokens: Sequence[int], limit: int) -> tuple[int, ...]:
         """Up to min(k, limit) tokens to verify after `tokens` (prompt + reply so far)."""
@@ -56,11 +56,10 @@ class Speculation:
             return ()
         return tuple(self.source.propose(min(self.k, limit)))
 
-    def observe(self, drafted: int, accepted: int) -> None:
-        """A verified draft of `drafted` tokens kept its first `accepted`."""
+    def adapt(self, drafted: int, accepted: int) -> None:
+        """A verified draft of `drafted` tokens kept its first `accepted`: the next k (the
+        engine counts `drafted` and `accepted` as the reply goes)."""
         assert 0 <= accepted <= drafted
-        self.drafted += drafted
-        self.accepted += accepted
         if accepted == drafted:
             self.k = min(self.k_max, 2 * self.k)
         else:

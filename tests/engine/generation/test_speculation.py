@@ -1,6 +1,6 @@
 """Speculative decoding changes nothing but the time (issue 26). For every family's tiny demo
 model: replies with speculation on are the replies without it, token for token, at
-temperature 0 and seeded 0.8; alone, in a mixed batch (prefills, plain decodes, verified
+temperature 0 and seeded 0.8, in float32 and bfloat16; alone, in a mixed batch (prefills, plain decodes, verified
 drafts in one step), with rejections forced at every depth by a draft source that proposes
 wrong tokens, and through a cache restore from RAM and, in a fresh process, from disk. The
 adaptive draft length and the settings' refusals are checked on their own."""
@@ -43,8 +43,10 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 
 def _cfg(model: Path, cache_dir: Path | None = None, **kw: object) -> EngineConfig:
-    """test_engine's engine (float32, one thread), with prompt lookup on."""
-    return engine_cfg(model, cache_dir, **{"max_context": 512, "chunk_size": 32, "speculate": "ngram", **kw})
+    """test_engine's engine (float32, one thread), with prompt lookup on down to 1-grams (the
+    random-weight model repeats short n-grams: more drafts, more rejections)."""
+    cfg = {"max_context": 512, "chunk_size": 32, "speculate": "ngram", "speculate_ngram": "3:1", **kw}
+    return engine_cfg(model, cache_dir, **cfg)
 
 
 def _req(
@@ -94,9 +96,9 @@ class WrongDrafts:
         return draft
 
 
-def _plain(model: Path) -> dict[tuple[int, float], tuple[list[int], str]]:
+def _plain(model: Path, dtype: str = "float32") -> dict[tuple[int, float], tuple[list[int], str]]:
     """Every prompt at every temperature, decoded plainly, one at a time."""
-    engine = Engine(_cfg(model, speculate="off"))
+    engine = Engine(_cfg(model, speculate="off", dtype=dtype))
     try:
         return {(i, t): _reply(engine, _req(p, t, seed=31 + i)) for i, p in enumerate(PROMPTS) for t in TEMPS}
     finally:
@@ -115,6 +117,19 @@ def _wrong_drafts(engine: Engine, plain: dict[tuple[int, float], tuple[list[int]
         if t == temp
     ]
     engine.new_draft_source = lambda: WrongDrafts(texts, engine.backend.vocab_size)
+
+
+def test_bfloat16_replies_equal_plain_decoding_with_rejections_forced(model: Path) -> None:
+    plain = _plain(model, "bfloat16")
+    engine = Engine(_cfg(model, dtype="bfloat16"))
+    try:
+        for temp in TEMPS:
+            _wrong_drafts(engine, plain, temp)
+            for i, p in enumerate(PROMPTS):
+                assert _reply(engine, _req(p, temp, seed=31 + i)) == plain[(i, temp)]
+        assert 0 < engine.stats.accepted_tokens < engine.stats.drafted_tokens
+    finally:
+        engine.close()
 
 
 @pytest.mark.parametrize("temp", TEMPS)
@@ -239,19 +254,19 @@ def test_draft_length_adapts_to_what_is_accepted() -> None:
     spec = Speculation(NgramDraft(k=8), k_max=8)
     text = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]
     assert spec.propose(text, limit=16) == (3, 4)  # k starts at 2
-    spec.observe(2, 2)
+    spec.adapt(2, 2)
     assert spec.k == 4 and spec.propose(text, limit=16) == (3, 4, 5, 6)
-    spec.observe(4, 4)
+    spec.adapt(4, 4)
     assert spec.k == 8 and spec.propose(text, limit=3) == (3, 4, 5)  # the budget or token limit caps it
-    spec.observe(3, 1)
+    spec.adapt(3, 1)
     assert spec.k == 2
     for rest in (1, 3, 7):  # nothing accepted: the source rests 1, 3, 7 steps
-        spec.observe(2, 0)
+        spec.adapt(2, 0)
         assert spec.k == 1
         assert [spec.propose(text, limit=16) for _ in range(rest)] == [()] * rest
         assert spec.propose(text, limit=16) == (3,)
-    spec.observe(1, 1)
-    assert (spec.misses, spec.k, spec.drafted, spec.accepted) == (0, 2, 16, 8)
+    spec.adapt(1, 1)
+    assert (spec.misses, spec.k) == (0, 2)
 
 
 def test_settings_and_requests_are_refused_with_what_to_change(model: Path) -> None:

@@ -28,7 +28,7 @@ def engine(tiny_dense_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         tmp / "cache",
         tmp / "logs",
         # one sequence at a time, so that a second request waits in the queue
-        extra=["--keepalive-s", "0.02", "--max-context", "2048", "--max-seqs", "1"],
+        extra=["--keepalive-s", "0.02", "--max-context", "2048", "--max-seqs", "1", "--speculate", "off"],
     )
     yield proc
     proc.stop()
@@ -71,7 +71,7 @@ def test_metrics_count_requests_hits_and_ttft(engine: Proc) -> None:
 @pytest.fixture(scope="module")
 def spec_engine(tiny_dense_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
     tmp = tmp_path_factory.mktemp("engine-spec")
-    proc = start_engine(tiny_dense_model, tmp / "cache", tmp / "logs", extra=["--speculate", "ngram"])
+    proc = start_engine(tiny_dense_model, tmp / "cache", tmp / "logs")  # --speculate ngram: the default
     yield proc
     proc.stop()
 
