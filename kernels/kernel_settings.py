@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from keepwarm import settings
 from keepwarm.settings import setting
 
+KERNEL_DIR_ENV = "KEEPWARM_KERNEL_DIR"
 CPU_KERNELS_ENV = "KEEPWARM_CPU_KERNELS"
 CPU_LINEAR_ENV = "KEEPWARM_CPU_LINEAR"
 ISA_ENV = "KEEPWARM_CPU_KERNEL_BUILD"
@@ -21,8 +23,20 @@ def _on(text: str) -> bool:
     return text.strip() != "0"
 
 
+def _folder(text: str) -> Path | None:
+    return Path(text) if text.strip() else None
+
+
 @dataclass(frozen=True)
 class KernelSettings:
+    kernel_dir: Path | None = setting(
+        None,
+        flag=None,
+        env=(KERNEL_DIR_ENV,),
+        parse=_folder,
+        default_text="<python prefix>/share/keepwarm/kernels/torch-<version>-py<X.Y>",
+        help="where `python -m keepwarm.kernels.build` puts the compiled CPU kernels and engines load them from",
+    )
     cpu_kernels: bool = setting(
         True, flag=None, env=(CPU_KERNELS_ENV,), parse=_on, help="0 keeps the row-invariant CPU kernels off"
     )

@@ -36,9 +36,10 @@ from types import ModuleType
 
 import torch
 
+from keepwarm.kernels.kernel_settings import kernel_settings
+
 log = logging.getLogger(__name__)
 
-KERNEL_DIR_ENV = "KEEPWARM_KERNEL_DIR"
 CSRC = Path(__file__).parent / "csrc"
 MARKER = "BUILT"  # written after the build succeeded: a folder without it is not used
 BUILD_COMMAND = "python -m keepwarm.kernels.build"
@@ -46,9 +47,9 @@ BUILD_COMMAND = "python -m keepwarm.kernels.build"
 
 def kernel_root() -> Path:
     """The folder the builds go to and are loaded from (see the module docstring)."""
-    env = os.environ.get(KERNEL_DIR_ENV, "")
-    if env:
-        return Path(env)
+    folder = kernel_settings().kernel_dir
+    if folder is not None:
+        return folder
     tag = f"torch-{torch.__version__}-py{sys.version_info[0]}.{sys.version_info[1]}"
     return Path(sys.prefix) / "share" / "keepwarm" / "kernels" / tag
 

@@ -34,9 +34,10 @@ from tests.api.procs import (
 SESSIONS = 12
 ROUNDS = 4  # turns per session (plus retries of failed ones)
 KILL_ROUND = 2  # the victim is killed while this round's turns run
-# Long replies in the kill round (400: a 160-token reply could end before the kill poll saw it
-# running): every turn on the victim is still running when the kill comes.
-KILL_ROUND_TOKENS = 400
+# Long replies in the kill round (a 160-token reply could end before the kill poll saw it
+# running, and under a busy CI machine once a 400-token one did): every turn on the victim is
+# still running when the kill comes.
+KILL_ROUND_TOKENS = 800
 # The run saves ~14 MB of snapshots (tiny model, float32: ~0.5 KiB per token plus 2 KiB of logits,
 # several per turn), ~3.6 MB of them by the time the kill round's prompts are in; the dead engine's
 # sessions restore right after the kill, and eviction runs from the end of the kill round on.

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from keepwarm.kernels import build, cpu_extension, cpu_linear, prebuilt
+from keepwarm.kernels.kernel_settings import KERNEL_DIR_ENV
 
 TINY = """#include <pybind11/pybind11.h>
 int answer() { return ANSWER; }
@@ -89,7 +90,7 @@ except RuntimeError as e:
 def test_a_built_extension_loads_in_a_new_process_without_a_compiler(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv(prebuilt.KERNEL_DIR_ENV, str(tmp_path / "kernels"))
+    monkeypatch.setenv(KERNEL_DIR_ENV, str(tmp_path / "kernels"))
     source = tmp_path / "tiny.cpp"
     source.write_text(TINY)
     name = "keepwarm_test_tiny"
