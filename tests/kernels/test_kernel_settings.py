@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from keepwarm.kernels.kernel_settings import KernelSettings, kernel_settings
@@ -26,7 +28,10 @@ def test_forced_build_and_form_are_read_as_given() -> None:
         "KEEPWARM_CPU_LINEAR",
         "KEEPWARM_CPU_KERNEL_BUILD",
         "KEEPWARM_CPU_PREFILL_FORM",
+        "KEEPWARM_KERNEL_DIR",
     }
+    assert kernel_settings({}).kernel_dir is None  # the install's folder (prebuilt.kernel_root)
+    assert kernel_settings({"KEEPWARM_KERNEL_DIR": "/opt/kw"}).kernel_dir == Path("/opt/kw")
 
 
 def test_the_environment_is_read_at_each_call(monkeypatch: pytest.MonkeyPatch) -> None:
