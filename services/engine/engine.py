@@ -515,8 +515,9 @@ class Engine:
             self.stats.accepted_tokens += 1
         spec.adapt(len(draft), accepted)
         if seq.state is not None:  # released when its reply ended without a checkpoint
-            keep = min(len(seq.tokens) - 1, rewind.start + rewind.rows)
-            rewind.to(seq.state, keep, rows[keep - rewind.start - (rewind.rows - len(draft))])
+            keep = len(seq.tokens) - 1  # the last sampled token is fed next
+            first_drafted = rewind.start + rewind.rows - len(draft)  # rows[0] holds the logits after it - 1
+            rewind.to(seq.state, keep, rows[keep - first_drafted])
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> None:
         if seq.num_generated == 0 and seq.request.n > 1 and seq.reply.choice == 0:

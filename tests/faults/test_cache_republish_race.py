@@ -7,6 +7,7 @@ backend. The race is made deterministic: the evict-and-save runs inside the exis
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -37,18 +38,28 @@ def _republish_inside_lexists(
     return raced
 
 
+Two = tuple[DiskCache, DiskCache, str, Path]  # two processes' caches on one folder, b's entry 1
+
+
+@pytest.fixture
+def two(tmp_path: Path, cache_index_url: str | None) -> Iterator[Two]:
+    root = tmp_path / "cache"
+    a = open_cache(root, index_url=cache_index_url)
+    b = open_cache(root, index_url=cache_index_url)
+    key = put(b, 1)
+    yield a, b, key, b.path_for(key)
+    a.close()
+    b.close()
+
+
 def _live_keys(cache: DiskCache) -> set[str]:
     return {e.key for e in cache.entries()}
 
 
 def test_reconcile_keeps_a_row_published_again_after_its_walk(
-    tmp_path: Path, cache_index_url: str | None, monkeypatch: pytest.MonkeyPatch
+    two: Two, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    root = tmp_path / "cache"
-    a = open_cache(root, index_url=cache_index_url)
-    b = open_cache(root, index_url=cache_index_url)
-    key = put(b, 1)
-    path = b.path_for(key)
+    a, b, key, path = two
     old = {e.key: e.created for e in b.entries()}[key]
     walk = a._scan
 
@@ -66,18 +77,12 @@ def test_reconcile_keeps_a_row_published_again_after_its_walk(
     (entry,) = a.entries()
     assert entry.key == key and entry.created != old  # the new publication's row
     assert entry.bytes == path.stat().st_size
-    a.close()
-    b.close()
 
 
 def test_a_load_that_found_no_file_keeps_a_row_published_again_meanwhile(
-    tmp_path: Path, cache_index_url: str | None, monkeypatch: pytest.MonkeyPatch
+    two: Two, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    root = tmp_path / "cache"
-    a = open_cache(root, index_url=cache_index_url)
-    b = open_cache(root, index_url=cache_index_url)
-    key = put(b, 1)
-    path = b.path_for(key)
+    a, b, key, path = two
     os.unlink(path)  # gone by hand: a's load misses and looks for the row to drop
     raced = _republish_inside_lexists(monkeypatch, b, path, 1)
     assert a.load(key, toks(1), VALIDATE) is None
@@ -86,8 +91,6 @@ def test_a_load_that_found_no_file_keeps_a_row_published_again_meanwhile(
     assert path.exists()
     assert raced == [path] and _live_keys(a) == {key}
     assert a.load(key, toks(1), VALIDATE) is not None
-    a.close()
-    b.close()
 
 
 def test_a_row_whose_file_was_deleted_by_hand_is_still_dropped(

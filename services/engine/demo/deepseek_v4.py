@@ -3,10 +3,9 @@ config.json for a size, and deterministic weights under the checkpoint's names."
 
 from __future__ import annotations
 
-import math
-
 import torch
 
+from keepwarm.engine.demo.draws import Draws
 from keepwarm.engine.models.deepseek_v4_config import DeepseekV4Config
 from keepwarm.engine.models.deepseek_v4_weights import expert_names, weight_specs
 
@@ -81,13 +80,9 @@ def init_weights(config: dict[str, object], seed: int) -> dict[str, torch.Tensor
     bases and sinks 0, compressor position biases N(0, 0.1), hash routes a random distinct
     set of experts per token."""
     cfg = DeepseekV4Config.from_dict(dict(config))
-    gen = torch.Generator().manual_seed(seed)
-    std = float(config.get("initializer_range", 0.02))  # type: ignore[arg-type]
-    out_std = std / math.sqrt(2 * cfg.num_layers)
+    draws = Draws(config, seed, cfg.num_layers)
+    normal, std, out_std = draws.normal, draws.std, draws.out_std
     bf = torch.bfloat16
-
-    def normal(shape: tuple[int, ...], s: float) -> torch.Tensor:
-        return (torch.randn(shape, generator=gen) * s).to(bf)
 
     wts: dict[str, torch.Tensor] = {}
     for spec in weight_specs(cfg):
@@ -106,7 +101,9 @@ def init_weights(config: dict[str, object], seed: int) -> dict[str, torch.Tensor
             wts[name] = torch.zeros(shape, dtype=bf)
         else:
             assert spec.init == "tid2eid", spec.init
-            rows = [torch.randperm(cfg.n_routed_experts, generator=gen)[: shape[1]] for _ in range(shape[0])]
+            rows = [
+                torch.randperm(cfg.n_routed_experts, generator=draws.gen)[: shape[1]] for _ in range(shape[0])
+            ]
             wts[name] = torch.stack(rows).to(torch.int64)
     inter, hid = cfg.moe_intermediate_size, cfg.hidden_size
     for i in range(cfg.num_layers):

@@ -25,7 +25,6 @@ import argparse
 import functools
 import importlib
 import json
-import math
 import os
 import shutil
 import sys
@@ -40,6 +39,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as HFTokenizer
 
 from keepwarm.engine.cache.no_follow import fsync_dir
+from keepwarm.engine.demo.draws import Draws, ones
 from keepwarm.engine.models import FAMILIES as MODEL_FAMILIES
 from keepwarm.engine.models import FAMILY_ALIASES, family_of
 
@@ -231,21 +231,14 @@ def dense_init_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Ten
     the two projections writing into the residual stream (o_proj, down_proj) are scaled
     by 1/sqrt(2 * layers) so the stream's norm stays O(1) through depth and the random
     model's logits stay varied; norm weights are ones."""
-    gen = torch.Generator().manual_seed(seed)
-    std = float(config.get("initializer_range", 0.02))
     layers = int(config["num_hidden_layers"])
-    out_std = std / math.sqrt(2 * layers)
+    draws = Draws(config, seed, layers)
+    normal, std, out_std = draws.normal, draws.std, draws.out_std
     hid, inter = int(config["hidden_size"]), int(config["intermediate_size"])
     heads, kv_heads = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
     d = int(config.get("head_dim") or hid // heads)
     vocab = int(config["vocab_size"])
     qk_norm = config["model_type"] == "qwen3"
-
-    def normal(shape: tuple[int, ...], s: float) -> torch.Tensor:
-        return (torch.randn(shape, generator=gen) * s).to(torch.bfloat16)
-
-    def ones(n: int) -> torch.Tensor:
-        return torch.ones(n, dtype=torch.bfloat16)
 
     w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal((vocab, hid), std)}
     for i in range(layers):

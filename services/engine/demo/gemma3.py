@@ -3,11 +3,11 @@ and deterministic weights under save_pretrained's names."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
+from keepwarm.engine.demo.draws import Draws
 from keepwarm.engine.demo.sizes import by_size
 from keepwarm.engine.models.gemma3 import FULL, GELU_TANH, SLIDING, Gemma3Config
 
@@ -63,13 +63,9 @@ def init_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     embedding N(0, 1 / sqrt(hidden)) (it is scaled by sqrt(hidden) at the input), norm weights
     small around 0 (Gemma's norm multiplies by 1 + weight)."""
     cfg = Gemma3Config.from_dict(config)
-    gen = torch.Generator().manual_seed(seed)
-    std = float(config.get("initializer_range", 0.02))
-    out_std = std / math.sqrt(2 * cfg.num_layers)
+    draws = Draws(config, seed, cfg.num_layers)
+    normal, std, out_std = draws.normal, draws.std, draws.out_std
     hid, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-
-    def normal(shape: tuple[int, ...], s: float) -> torch.Tensor:
-        return (torch.randn(shape, generator=gen) * s).to(torch.bfloat16)
 
     wts: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal((cfg.vocab_size, hid), hid**-0.5)}
     for i in range(cfg.num_layers):

@@ -3,11 +3,11 @@ and deterministic weights under save_pretrained's names."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
+from keepwarm.engine.demo.draws import Draws, ones
 from keepwarm.engine.demo.sizes import by_size
 from keepwarm.engine.models.laguna import DEFAULT_ROPE, DENSE, FULL, SLIDING, SPARSE, LagunaConfig
 
@@ -65,16 +65,9 @@ def init_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     N(0, initializer_range), residual-output projections scaled by 1/sqrt(2 * layers), norms 1,
     zero selection bias."""
     cfg = LagunaConfig.from_dict(config)
-    gen = torch.Generator().manual_seed(seed)
-    std = float(config.get("initializer_range", 0.02))
-    out_std = std / math.sqrt(2 * cfg.num_layers)
+    draws = Draws(config, seed, cfg.num_layers)
+    normal, std, out_std = draws.normal, draws.std, draws.out_std
     hid, d, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_kv_heads
-
-    def normal(shape: tuple[int, ...], s: float) -> torch.Tensor:
-        return (torch.randn(shape, generator=gen) * s).to(torch.bfloat16)
-
-    def ones(n: int) -> torch.Tensor:
-        return torch.ones(n, dtype=torch.bfloat16)
 
     def mlp(p: str, inter: int) -> None:
         wts[p + "gate_proj.weight"] = normal((inter, hid), std)

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from keepwarm.engine.demo.draws import Draws
 from keepwarm.engine.demo.sizes import by_size
 from keepwarm.engine.models.qwen3_5 import FULL, LINEAR, Qwen35Config
 
@@ -57,13 +58,9 @@ def init_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     sqrt(2 * layers), zero-centred norms at 0 (scale 1), gated-norm weights 1,
     A_log = log(U(1, 16)), dt_bias 1 (transformers' own initialization)."""
     cfg = Qwen35Config.from_dict(config)
-    gen = torch.Generator().manual_seed(seed)
-    std = float(config.get("initializer_range", 0.02))
-    out_std = std / math.sqrt(2 * cfg.num_layers)
+    draws = Draws(config, seed, cfg.num_layers)
+    normal, std, out_std = draws.normal, draws.std, draws.out_std
     hid, d, inter, hv = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.linear_num_value_heads
-
-    def normal(shape: tuple[int, ...], s: float) -> torch.Tensor:
-        return (torch.randn(shape, generator=gen) * s).to(torch.bfloat16)
 
     def const(shape: tuple[int, ...], value: float) -> torch.Tensor:
         return torch.full(shape, value, dtype=torch.bfloat16)
@@ -80,7 +77,7 @@ def init_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
             wts[la + "conv1d.weight"] = normal(
                 (cfg.conv_dim, 1, cfg.conv_kernel), 1.0 / math.sqrt(cfg.conv_kernel)
             )
-            a = torch.empty(hv).uniform_(1.0, 16.0, generator=gen)
+            a = torch.empty(hv).uniform_(1.0, 16.0, generator=draws.gen)
             wts[la + "A_log"] = a.log().to(torch.bfloat16)
             wts[la + "dt_bias"] = const((hv,), 1.0)
             wts[la + "norm.weight"] = const((cfg.linear_value_head_dim,), 1.0)

@@ -13,14 +13,11 @@ import pytest
 import torch
 
 from keepwarm.engine.demo.demo_model import make_demo_model
-from keepwarm.engine.loading.checkpoint import open_checkpoint
-from keepwarm.engine.models import build_backend
 from keepwarm.engine.models.backend import Backend, State
 from keepwarm.engine.models.rewind import Rewind
-from keepwarm.kernels import cpu_attention, cpu_delta_rule, cpu_linear, cpu_rowwise
-from keepwarm.kernels.ops import ops_for
+from tests.engine.test_invariance import _backend
+from tests.engine.test_invariance import pytestmark as needs_invariant_kernels
 
-CPU = torch.device("cpu")
 REPLAYS = {
     "dense": False,
     "qwen3_5": True,
@@ -31,10 +28,7 @@ REPLAYS = {
 }
 PROMPT = 45  # past every tiny sliding window: the rings have wrapped
 
-pytestmark = pytest.mark.skipif(
-    not all(m.available() for m in (cpu_linear, cpu_attention, cpu_rowwise, cpu_delta_rule)),
-    reason="the invariant CPU kernels need AVX-512 BF16 or AVX2 + FMA + F16C (this CPU lacks both or the build failed)",
-)
+pytestmark = needs_invariant_kernels
 
 
 @pytest.fixture(scope="module", params=sorted(REPLAYS))
@@ -58,13 +52,13 @@ def _same_state(backend: Backend, a: State, b: State) -> None:
         assert torch.equal(t, sb.tensors[name]), name
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("accepted", [0, 2, 5])
 def test_a_rewound_state_is_the_state_that_never_fed_the_rejected_rows(
-    family_model: tuple[str, Path], dtype: torch.dtype, accepted: int
+    family_model: tuple[str, Path], dtype: str, accepted: int
 ) -> None:
     family, path = family_model
-    backend = build_backend(open_checkpoint(path), CPU, dtype, ops_for(CPU, invariant=True))
+    backend = _backend(path, dtype)
     g = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, backend.vocab_size, (PROMPT + 12,), generator=g).tolist()
     prompt, last, truth = tokens[:PROMPT], tokens[PROMPT], tokens[PROMPT + 1 :]
@@ -100,7 +94,7 @@ def test_a_step_gives_the_logits_of_each_requested_row(family_model: tuple[str, 
     """`heads`: the last heads[b] rows of each chunk, in order; each row's logits are the ones
     that chunk's prefix alone gives (the invariant kernels: whatever the batch and chunking)."""
     _, path = family_model
-    backend = build_backend(open_checkpoint(path), CPU, torch.float32, ops_for(CPU, invariant=True))
+    backend = _backend(path, "float32")
     g = torch.Generator().manual_seed(9)
     a, b = (torch.randint(0, backend.vocab_size, (n,), generator=g) for n in (9, 4))
     sa, sb = backend.new_state(16), backend.new_state(16)
