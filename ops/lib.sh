@@ -77,6 +77,21 @@ ensure_packaged_models() {
 }
 
 # ensure_debian BINARY PACKAGE: install PACKAGE with apt-get when BINARY is missing.
+# The suite's engines keep the disk cache's default free-space floor (5 % of the volume, at most
+# 1 GiB) and refuse to save below it, so a nearly full temp volume fails dozens of disk-tier tests
+# at once. Say so up front instead: ensure_free_disk MiB PATH...
+ensure_free_disk() {
+  local need_mib="$1" path free_mib
+  shift
+  for path in "$@"; do
+    free_mib="$(df -Pm "$path" | awk 'NR == 2 {print $4}')"
+    if [ "$free_mib" -lt "$need_mib" ]; then
+      kw_log "error: $path has $free_mib MiB free; the suite needs $need_mib MiB there (the disk cache refuses to save below a 1 GiB floor). Free some space, or point TMPDIR at a larger volume."
+      return 1
+    fi
+  done
+}
+
 ensure_debian() {
   command -v "$1" >/dev/null 2>&1 && return 0
   if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
