@@ -16,12 +16,10 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from dataclasses import replace as replace_seq
 from itertools import count
 
 import torch
-from msgspec import UNSET
 
 from keepwarm.engine.cache.disk_cache import DiskCache
 from keepwarm.engine.cache.memory_cache import MemoryCache
@@ -31,7 +29,9 @@ from keepwarm.engine.cache.prefix_cache import PrefixCache
 from keepwarm.engine.cache.snapshot import Snapshot
 from keepwarm.engine.cache.snapshot_file import FORMAT_VERSION
 from keepwarm.engine.config import EngineConfig
+from keepwarm.engine.generation.calibration import Calibration
 from keepwarm.engine.generation.decode_graph import DecodeGraphs
+from keepwarm.engine.generation.engine_stats import EngineStats
 from keepwarm.engine.generation.grammar import (
     GrammarError,
     GrammarTokenizer,
@@ -41,7 +41,7 @@ from keepwarm.engine.generation.grammar import (
 )
 from keepwarm.engine.generation.ngram_draft import NgramDraft
 from keepwarm.engine.generation.prefill_cost import PrefillCost
-from keepwarm.engine.generation.request import FinishEvent, GenerateRequest, RequestError, Timings, TokenEvent
+from keepwarm.engine.generation.request import FinishEvent, GenerateRequest, RequestError, TokenEvent
 from keepwarm.engine.generation.runner import Runner, StepOutput
 from keepwarm.engine.generation.sampling import LogitsRules, Sampler
 from keepwarm.engine.generation.scheduler import Scheduler, SchedulerOutput
@@ -64,31 +64,6 @@ __all__ = ["Engine", "EngineStats", "Event", "Prompt", "QueueFull"]
 
 class QueueFull(Exception):
     """Every waiting slot is taken: not now (HTTP 429)."""
-
-
-@dataclass
-class EngineStats:
-    """Counters for /metrics and /v1/cache (the tiers keep their own)."""
-
-    requests: int = 0
-    lookups: int = 0
-    hits_by_tier: dict[str, int] = field(default_factory=lambda: {"memory": 0, "disk": 0})
-    hit_tokens_by_tier: dict[str, int] = field(default_factory=lambda: {"memory": 0, "disk": 0})
-    prompt_tokens: int = 0
-    prefill_tokens: int = 0
-    prefill_seconds: float = 0.0
-    prefill_saved_seconds: float = 0.0
-    restore_seconds: float = 0.0
-    restore_bytes: int = 0
-    completion_tokens: int = 0
-    snapshots_saved: int = 0
-    steps: int = 0
-    step_tokens: int = 0
-    step_seconds: float = 0.0
-    preemptions: int = 0
-    drafted_tokens: int = 0  # speculative decoding: tokens drafted and verified ...
-    accepted_tokens: int = 0  # ... and of those, kept (the reply is the same either way)
-    calibration_prefills: int = 0  # warm-up prefills of the prefill cost model (never a request's)
 
 
 def open_model(cfg: EngineConfig) -> tuple[Checkpoint, Placement]:
@@ -158,12 +133,11 @@ class Engine:
         )
         # its warm-up when none was persisted: run between requests (`calibrate_step`), never
         # before serving; real prefills are recorded meanwhile
-        self.calibration_planned = 0 if self.prefill_cost.calibrated else len(self._calibration_plan())
-        self.calibration_done = 0  # of those, run
-        self.calibration_started = False
-        self.calibration_seconds = 0.0  # from the warm-up's first chunk to its end, requests between
-        self._calibration: Iterator[None] | None = (
-            self._calibration_prefills() if self.calibration_planned else None
+        self.calibration = Calibration(
+            self.backend,
+            self.prefill_cost,
+            cfg.max_context - 1,
+            min(cfg.chunk_size, self._max_batch_tokens()),
         )
         self.default_policy: Policy = cfg.policy
         self.stats = EngineStats()
@@ -226,73 +200,21 @@ class Engine:
 
     def close(self) -> None:
         """The caller makes sure no step runs now (ModelSet._park holds `self.lock`)."""
-        self._calibration = None  # an unfinished warm-up stops here (its prefills so far are kept)
+        self.calibration.stop()
         self.snapshots.land(wait=True)
         self.prefill_cost.save()
         if self.cache.disk is not None:
             self.cache.disk.close()
 
-    def _calibration_plan(self) -> list[tuple[int, int]]:
-        return PrefillCost.calibration_plan(self.cfg.max_context - 1)
-
-    def _calibration_prefills(self) -> Iterator[None]:
-        """The prefill cost model's warm-up: cold prefills of growing size and partial ones
-        from a deep start (`PrefillCost.calibration_plan`) on random tokens, into states of
-        their own (no request's state, cache or counter is touched), in the chunks real
-        prefills run in. Yields after each chunk, so requests never wait for more than one."""
-        g = torch.Generator().manual_seed(0)
-        vocab = self.backend.vocab_size
-        chunk = max(1, min(self.cfg.chunk_size, self._max_batch_tokens()))
-        t_start = time.perf_counter()
-        for start, n in self._calibration_plan():
-            ids = torch.randint(0, vocab, (start + n,), generator=g)
-            state = self.backend.new_state(start + n)
-            for i in range(0, start, chunk):
-                self.backend.prefill(state, ids[i : min(start, i + chunk)])
-                yield
-            seconds = 0.0
-            for i in range(start, start + n, chunk):
-                t0 = time.perf_counter()
-                self.backend.prefill(state, ids[i : min(start + n, i + chunk)])
-                seconds += time.perf_counter() - t0
-                yield
-            del state
-            self.prefill_cost.record(start, n, seconds)
-            self.calibration_done += 1
-            self.stats.calibration_prefills += 1
-        self.prefill_cost.save()
-        self.calibration_seconds = time.perf_counter() - t_start
-
-    @property
-    def calibration_pending(self) -> bool:
-        """Whether warm-up prefills of the prefill cost model are left to run."""
-        return self._calibration is not None
-
-    @property
-    def calibration_state(self) -> str:
-        """The warm-up's state: "persisted" (the model was read from the cache folder: no
-        warm-up), "waiting" (none of its prefills run yet), "running" or "done"."""
-        if not self.calibration_planned:
-            return "persisted"
-        if self._calibration is None:
-            return "done"
-        return "running" if self.calibration_started else "waiting"
-
     def calibrate_step(self) -> bool:
-        """Run one chunk of the warm-up (between steps: the caller's thread, under the step
-        lock); False when none is left."""
+        """Run one chunk of the prefill cost model's warm-up (between steps: the caller's
+        thread, under the step lock); False when none is left."""
         with self.lock:
-            if self._calibration is None:
-                return False
-            self.calibration_started = True
+            before = self.calibration.done
             try:
-                next(self._calibration)
-            except StopIteration:
-                self._calibration = None
-            except BaseException:
-                self._calibration = None  # a broken warm-up is not retried; real prefills still fit
-                raise
-            return True
+                return self.calibration.step()
+            finally:
+                self.stats.calibration_prefills += self.calibration.done - before
 
     def calibrate(self) -> None:
         """The whole warm-up now (when none was persisted): tests and benchmarks. A server
@@ -442,9 +364,7 @@ class Engine:
         for seq in plan.admitted:
             seq.queued = False
             self._count_waiting(-1)
-            self.stats.requests += 1
-            self.stats.prompt_tokens += seq.num_prompt_tokens
-            self.stats.lookups += int(seq.policy.enabled)
+            self.stats.admitted(seq.num_prompt_tokens, seq.policy.enabled)
         self.stats.preemptions += len(plan.preempted)
         for seq in plan.out_of_memory:
             self._finish(seq, "length")
@@ -462,9 +382,7 @@ class Engine:
             self._checkpoint(ended)
             self.snapshots.land(wait=True)  # no forward to overlap with: the copies land now
             return
-        self.stats.steps += 1
-        self.stats.step_tokens += out.num_tokens
-        self.stats.step_seconds += out.seconds
+        self.stats.stepped(out.num_tokens, out.seconds)
         done: list[Sequence] = ended
         for b in plan.scheduled:
             seq = b.seq
@@ -492,8 +410,7 @@ class Engine:
 
     def _prefilled(self, seq: Sequence) -> None:
         n = seq.num_prompt_tokens - seq.restored
-        self.stats.prefill_tokens += n
-        self.stats.prefill_seconds += seq.reply.prefill_s
+        self.stats.prefilled(n, seq.reply.prefill_s)
         if seq.num_preemptions == 0 and n > 0:
             self.prefill_cost.record(seq.restored, n, seq.reply.prefill_s)
 
@@ -504,7 +421,6 @@ class Engine:
         spec = seq.spec
         assert spec is not None
         spec.drafted += len(draft)  # counted before a sample can end the reply (its usage reads them)
-        self.stats.drafted_tokens += len(draft)
         accepted = 0
         for i in range(len(draft) + 1):
             self._sample(seq, rows[i])
@@ -512,7 +428,7 @@ class Engine:
                 break
             accepted += 1
             spec.accepted += 1
-            self.stats.accepted_tokens += 1
+        self.stats.verified(len(draft), accepted)
         spec.adapt(len(draft), accepted)
         if seq.state is not None:  # released when its reply ended without a checkpoint
             keep = len(seq.tokens) - 1  # the last sampled token is fed next
@@ -623,50 +539,14 @@ class Engine:
         seq.status = Status.FINISHED
 
     def _finish_event(self, seq: Sequence, key: str | None) -> FinishEvent:
-        hit = seq.hit
-        restored = seq.restored
+        """The reply's end; the request's restore (choice 0 only) is counted here, once,
+        with the prefill it saved by the fitted cost model."""
         saved_s = 0.0
-        if hit is not None and seq.reply.choice == 0:  # the request's restore, counted once
-            tier = hit.source
-            self.stats.hits_by_tier[tier] += 1
-            self.stats.hit_tokens_by_tier[tier] += restored
-            self.stats.restore_seconds += seq.reply.restore_s
-            self.stats.restore_bytes += hit.num_bytes
-            cold = self.prefill_cost.saved(restored, seq.num_prompt_tokens)
-            if cold is not None:
-                saved_s = max(0.0, cold - seq.reply.restore_s)
-                self.stats.prefill_saved_seconds += saved_s
-        now = time.perf_counter()
-        first = seq.reply.t_first_token if seq.reply.t_first_token is not None else now
-        n = seq.num_generated
-        prompt_len = seq.num_prompt_tokens
-        timings = Timings(
-            cache_source=hit.source if hit else "none",
-            restored_tokens=restored,
-            restore_ms=seq.reply.restore_s * 1000,
-            restore_bytes=hit.num_bytes if hit else 0,
-            prefill_tokens=prompt_len - restored if seq.reply.finish_reason != "cancelled" or n else 0,
-            prefill_ms=seq.reply.prefill_s * 1000,
-            decode_ms=seq.reply.decode_s * 1000,
-            ttft_ms=(first - seq.reply.t_arrival) * 1000,
-            prefill_saved_ms=saved_s * 1000,
-            decode_tokens_per_sec=(n / seq.reply.decode_s) if seq.reply.decode_s > 0 else 0.0,
-            drafted_tokens=seq.spec.drafted if seq.spec else 0,
-            accepted_tokens=seq.spec.accepted if seq.spec else 0,
-            diverged_at=UNSET if seq.reply.diverged_at is None else seq.reply.diverged_at,
-        )
-        return FinishEvent(
-            seq.reply.finish_reason or "stop",
-            seq.decoding.stopper.text,
-            prompt_len,
-            n,
-            restored,
-            timings,
-            key,
-            len(seq.tokens) if key else 0,
-            seq.reply.choice,
-            seq.decoding.stopper.matched,
-        )
+        if seq.hit is not None and seq.reply.choice == 0:
+            cold = self.prefill_cost.saved(seq.restored, seq.num_prompt_tokens)
+            saved_s = max(0.0, cold - seq.reply.restore_s) if cold is not None else 0.0
+            self.stats.restored(seq.hit, seq.restored, seq.reply.restore_s, saved_s)
+        return seq.finish_event(key, saved_s)
 
     # -- conveniences (tests, CLI) -------------------------------------------------
     def generate(

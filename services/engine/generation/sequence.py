@@ -17,18 +17,21 @@ import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeAlias
+
+from msgspec import UNSET
 
 from keepwarm.engine.cache.policy import Policy
 from keepwarm.engine.cache.prefix_cache import Hit, Probe
 from keepwarm.engine.cache.snapshot import Snapshot
 from keepwarm.engine.generation.grammar import TokenMatcher
-from keepwarm.engine.generation.request import FinishEvent, GenerateRequest, TokenEvent
+from keepwarm.engine.generation.request import FinishEvent, GenerateRequest, Timings, TokenEvent
 from keepwarm.engine.generation.sampling import Sampler
 from keepwarm.engine.generation.speculation import Speculation
 from keepwarm.engine.generation.stopping import StopChecker
 from keepwarm.engine.models.backend import State
 
-Event = TokenEvent | FinishEvent
+Event: TypeAlias = TokenEvent | FinishEvent
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,39 @@ class Sequence:
     @property
     def restored(self) -> int:
         return self.hit.snapshot.position if self.hit is not None else 0
+
+    def finish_event(self, key: str | None, prefill_saved_s: float) -> FinishEvent:
+        """The reply's last event: how it ended, its text and usage, and its timings;
+        `key` is the continued checkpoint's prefix key (None: no checkpoint)."""
+        reply, hit, n = self.reply, self.hit, self.num_generated
+        first = reply.t_first_token if reply.t_first_token is not None else time.perf_counter()
+        timings = Timings(
+            cache_source=hit.source if hit else "none",
+            restored_tokens=self.restored,
+            restore_ms=reply.restore_s * 1000,
+            restore_bytes=hit.num_bytes if hit else 0,
+            prefill_tokens=self.num_prompt_tokens - self.restored if reply.finish_reason != "cancelled" or n else 0,
+            prefill_ms=reply.prefill_s * 1000,
+            decode_ms=reply.decode_s * 1000,
+            ttft_ms=(first - reply.t_arrival) * 1000,
+            prefill_saved_ms=prefill_saved_s * 1000,
+            decode_tokens_per_sec=(n / reply.decode_s) if reply.decode_s > 0 else 0.0,
+            drafted_tokens=self.spec.drafted if self.spec else 0,
+            accepted_tokens=self.spec.accepted if self.spec else 0,
+            diverged_at=UNSET if reply.diverged_at is None else reply.diverged_at,
+        )
+        return FinishEvent(
+            reply.finish_reason or "stop",
+            self.decoding.stopper.text,
+            self.num_prompt_tokens,
+            n,
+            self.restored,
+            timings,
+            key,
+            len(self.tokens) if key else 0,
+            reply.choice,
+            self.decoding.stopper.matched,
+        )
 
     def num_tokens_to_feed(self) -> int:
         """Tokens this sequence still has to feed before it can sample (prefill rest, or

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from keepwarm.engine.config import EngineConfig
-from keepwarm.engine.engine import Engine, EngineStats, open_model
+from keepwarm.engine.engine import Engine, open_model
+from keepwarm.engine.generation.engine_stats import EngineStats
 from keepwarm.engine.generation.request import RequestError
 from keepwarm.engine.loading.checkpoint import CheckpointError, open_checkpoint
 from keepwarm.engine.models import MODEL_TYPE_TO_FAMILY
@@ -265,8 +266,8 @@ class ModelSet:
         with self.lock:
             pending = [(s.name, s.engine) for s in self.slots.values() if s.engine is not None]
         for name, engine in pending:
-            if engine.calibration_pending:
-                first = not engine.calibration_started
+            if engine.calibration.pending:
+                first = not engine.calibration.started
                 if engine.calibrate_step():
                     return name, engine, first
         return None

@@ -23,7 +23,8 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from keepwarm.engine.config import EngineConfig
-from keepwarm.engine.engine import Engine, EngineStats, Event
+from keepwarm.engine.engine import Engine, Event
+from keepwarm.engine.generation.engine_stats import EngineStats
 from keepwarm.engine.generation.request import FinishEvent, RequestError, TokenEvent
 from keepwarm.engine.serving import wire
 from keepwarm.engine.serving.drain_rate import DrainRate
@@ -762,9 +763,9 @@ def _prefill_cost_info(engine: Engine | None) -> dict[str, Any] | None:
     if engine is None:
         return None
     return {
-        "calibration": engine.calibration_state,
-        "warmup_prefills": engine.calibration_done,
-        "warmup_planned": engine.calibration_planned,
+        "calibration": engine.calibration.state,
+        "warmup_prefills": engine.calibration.done,
+        "warmup_planned": engine.calibration.planned,
         "samples": engine.prefill_cost.samples,
         "fitted": engine.prefill_cost.calibrated,
     }
@@ -826,9 +827,9 @@ def serve(cfg: EngineConfig) -> None:
             if server.should_exit:
                 return
             time.sleep(0.01)
-        if engine.calibration_planned:
+        if engine.calibration.planned:
             fit = (
-                f"prefill cost model: {engine.calibration_done} of {engine.calibration_planned} warm-up "
+                f"prefill cost model: {engine.calibration.done} of {engine.calibration.planned} warm-up "
                 "prefills run; the rest run between requests, and real prefills count too"
             )
         else:

@@ -155,13 +155,13 @@ class Worker:
         if first:
             print(
                 f"keepwarm engine: {name}: fitting the prefill cost model in the background "
-                f"({engine.calibration_planned} warm-up prefills, between requests)",
+                f"({engine.calibration.planned} warm-up prefills, between requests)",
                 flush=True,
             )
-        if not engine.calibration_pending:
+        if not engine.calibration.pending:
             print(
-                f"keepwarm engine: {name}: prefill cost model fitted ({engine.calibration_done} warm-up "
-                f"prefills, {engine.calibration_seconds:.1f} s with the requests between)",
+                f"keepwarm engine: {name}: prefill cost model fitted ({engine.calibration.done} warm-up "
+                f"prefills, {engine.calibration.seconds:.1f} s with the requests between)",
                 flush=True,
             )
         return True

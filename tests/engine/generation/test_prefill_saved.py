@@ -54,15 +54,15 @@ def test_the_warm_up_runs_chunk_by_chunk_between_steps_and_changes_no_reply(
     req = replace(_req(msgs), logprobs=True, top_logprobs=3)
     plain = Engine(_cfg(tiny_dense_model, tmp_path / "plain"))
     try:
-        assert plain.calibration_state == "waiting" and plain.calibration_planned > 0
+        assert plain.calibration.state == "waiting" and plain.calibration.planned > 0
         want = list(plain.generate(req))
-        assert plain.calibration_done == 0 and not plain.prefill_cost.calibrated  # one prefill: not yet
+        assert plain.calibration.done == 0 and not plain.prefill_cost.calibrated  # one prefill: not yet
     finally:
         plain.close()
 
     engine = Engine(_cfg(tiny_dense_model, tmp_path / "warming"))
     try:
-        planned = engine.calibration_planned
+        planned = engine.calibration.planned
         # the test config's chunks: 64 tokens (chunk_size), so each step of the warm-up is short
         chunks = sum(-(-start // 64) + -(-n // 64) for start, n in PrefillCost.calibration_plan(1023))
         events: list[Event] = []
@@ -72,14 +72,14 @@ def test_the_warm_up_runs_chunk_by_chunk_between_steps_and_changes_no_reply(
             if interleaved < 5:  # some of the warm-up between the request's steps, not all of it
                 interleaved += engine.calibrate_step()
             engine.step()
-        assert interleaved == 5 and engine.calibration_state == "running"
+        assert interleaved == 5 and engine.calibration.state == "running"
         assert _replies(events) == _replies(want)
         assert engine.stats.prefill_tokens == plain.stats.prefill_tokens
         rest = 0
         while engine.calibrate_step():
             rest += 1
         assert interleaved + rest == chunks + 1  # the last call records the last prefill and saves
-        assert engine.calibration_state == "done" and engine.calibration_done == planned
+        assert engine.calibration.state == "done" and engine.calibration.done == planned
         assert engine.stats.calibration_prefills == planned and engine.prefill_cost.calibrated
         assert not engine.calibrate_step()
     finally:
@@ -109,7 +109,7 @@ def test_real_prefills_fit_the_model_without_a_warm_up(tiny_dense_model: Path, t
         for i, msgs in enumerate(chats):
             assert not engine.prefill_cost.calibrated, i
             assert engine.complete(_req(msgs)).timings.prefill_saved_ms == 0.0  # nothing restored
-        assert engine.prefill_cost.calibrated and engine.calibration_done == 0
+        assert engine.prefill_cost.calibrated and engine.calibration.done == 0
         warm = engine.complete(_req(chats[2]))
         assert warm.cached_tokens == warm.prompt_tokens
         modelled = engine.prefill_cost.saved(warm.cached_tokens, warm.prompt_tokens)
