@@ -11,7 +11,9 @@ LIB = Path(__file__).resolve().parents[2] / "ops" / "lib.sh"
 def _free_disk(need_mib: int, path: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         ["bash", "-c", f'source "{LIB}" && ensure_free_disk {need_mib} "{path}"'],
-        capture_output=True, text=True, timeout=30,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
 
 

@@ -34,7 +34,7 @@ class Calibration:
 
     @property
     def state(self) -> str:
-        """"persisted" (the model was read from the cache folder: no warm-up), "waiting"
+        """ "persisted" (the model was read from the cache folder: no warm-up), "waiting"
         (none of its prefills run yet), "running" or "done"."""
         if not self.planned:
             return "persisted"

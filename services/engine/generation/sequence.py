@@ -134,7 +134,9 @@ class Sequence:
             restored_tokens=self.restored,
             restore_ms=reply.restore_s * 1000,
             restore_bytes=hit.num_bytes if hit else 0,
-            prefill_tokens=self.num_prompt_tokens - self.restored if reply.finish_reason != "cancelled" or n else 0,
+            prefill_tokens=self.num_prompt_tokens - self.restored
+            if reply.finish_reason != "cancelled" or n
+            else 0,
             prefill_ms=reply.prefill_s * 1000,
             decode_ms=reply.decode_s * 1000,
             ttft_ms=(first - reply.t_arrival) * 1000,

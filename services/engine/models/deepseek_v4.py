@@ -61,6 +61,7 @@ from keepwarm.engine.models.geometry import Geometry, SnapshotMismatch, TensorSp
 from keepwarm.engine.models.placement import Placement
 from keepwarm.engine.models.rope import Rope, build_rope
 from keepwarm.engine.models.step import Step
+from keepwarm.engine.models.weights import Loader
 from keepwarm.kernels.ops import Ops
 
 __all__ = ["DeepseekV4Backend", "build", "geometry_of"]
@@ -623,11 +624,11 @@ def build(
     stage, the final norm, the mHC head and the head on the last."""
     cfg = DeepseekV4Config.from_dict(ckpt.config)
     placement = Placement.of(where, cfg.num_layers)
-    device = placement.first  # where `get` loads to: set per layer, then per stage below
-    w = {s.key: s for s in weight_specs(cfg)}
+    at = Loader(ckpt, placement, dtype)  # where `get` loads to: set per layer, then per stage below
+    specs = {s.key: s for s in weight_specs(cfg)}
 
     def get(key: str) -> torch.Tensor:
-        return load_weight(ckpt, w[key], dtype, device)
+        return load_weight(ckpt, specs[key], dtype, at.device)
 
     def hc(prefix: str) -> _HyperConnection:
         return _HyperConnection(get(prefix + ".fn"), get(prefix + ".base"), get(prefix + ".scale"))
@@ -645,7 +646,7 @@ def build(
 
     layers: list[_Layer] = []
     for i, kind in enumerate(cfg.layer_types):
-        device = placement.device_of(i)
+        at.at_layer(i)
         p = f"layers.{i}."
         comp = compressor(p + "comp.", kind, i, cfg.head_dim) if kind in (CSA, HCA) else None
         indexer = None
@@ -655,7 +656,7 @@ def build(
                 q_b=get(p + "index.q_b"),
                 weights_proj=get(p + "index.weights_proj"),
             )
-        gate_up, down = load_experts(ckpt, cfg, i, dtype, device)
+        gate_up, down = load_experts(ckpt, cfg, i, dtype, at.device)
         o_a = get(p + "o_a")  # [g d_g, H d / g] -> [g, d_g, H d / g]
         layers.append(
             _Layer(
@@ -683,9 +684,9 @@ def build(
                 shared_down=get(p + "shared.down"),
             )
         )
-    device = placement.first
+    at.device = placement.first
     embed = get("embed")
-    device = placement.last
-    lm_head = embed.to(device) if cfg.tie_word_embeddings else get("lm_head")
+    at.device = placement.last
+    lm_head = embed.to(at.device) if cfg.tie_word_embeddings else get("lm_head")
     hc_head = hc("hc_head")
     return DeepseekV4Backend(cfg, embed, lm_head, get("norm"), hc_head, layers, placement, dtype, ops)

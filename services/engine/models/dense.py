@@ -26,8 +26,7 @@ from keepwarm.engine.models.placement import Placement
 from keepwarm.engine.models.rope import Rope, build_rope
 from keepwarm.engine.models.sliding import KvLayout, KvStateBackend
 from keepwarm.engine.models.step import head_rows
-from keepwarm.engine.models.weights import LM_HEAD
-from keepwarm.engine.models.weights import lm_head as head_of
+from keepwarm.engine.models.weights import Loader
 from keepwarm.kernels.cpu_decode_step import DecodeStep, DenseShape
 from keepwarm.kernels.ops import Ops
 from keepwarm.kernels.quant_weight import Weight, cat_rows, embedding
@@ -432,17 +431,11 @@ def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype,
     placement = Placement.of(where, cfg.num_layers)
     hid, d = cfg.hidden_size, cfg.head_dim
     q_size, kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
-    device = placement.first  # where `w` loads to: set per layer, then per stage below
-
-    def w(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        return ckpt.load(name, dtype, device, shape=shape)
-
-    def wl(name: str, shape: tuple[int, int]) -> Weight:  # a projection: blocks where kept
-        return ckpt.load_linear(name, dtype, device, shape)
-
+    w = Loader(ckpt, placement, dtype)
+    wl = w.linear  # a projection: blocks where kept
     layers = []
     for i in range(cfg.num_layers):
-        device = placement.device_of(i)
+        w.at_layer(i)
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
         wq, wk, wv = (
@@ -458,7 +451,7 @@ def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype,
         layer_moe = None
         if sparse:
             e_n, e_i = cfg.num_experts, cfg.moe_intermediate_size
-            gate_up, down = load_experts(ckpt.has, w, m, e_n, e_i, hid)
+            gate_up, down = load_experts(w.has, w, m, e_n, e_i, hid)
             layer_moe = Moe(
                 router=w(m + "gate.weight", (e_n, hid)),
                 gate_up=gate_up,
@@ -478,22 +471,14 @@ def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype,
                 w_qkv=w_qkv,
                 # biases exactly as transformers builds them from the config (a bias the
                 # config does not ask for is ignored there, so here too)
-                b_qkv=torch.cat(
-                    [
-                        w(a + "q_proj.bias", (q_size,)),
-                        w(a + "k_proj.bias", (kv_size,)),
-                        w(a + "v_proj.bias", (kv_size,)),
-                    ]
-                )
-                if cfg.qkv_bias
-                else None,
+                b_qkv=w.qkv(a, q_size, kv_size) if cfg.qkv_bias else None,
                 q_norm=w(a + "q_norm.weight", (d,)) if cfg.qk_norm else None,
                 k_norm=w(a + "k_norm.weight", (d,)) if cfg.qk_norm else None,
                 w_o=wl(a + "o_proj.weight", (hid, q_size)),
                 b_o=w(a + "o_proj.bias", (hid,)) if cfg.o_bias else None,
                 post_norm=w(p + "post_attention_layernorm.weight", (hid,)),
                 w_gate_up=w_gate_up,
-                b_gate_up=torch.cat([w(m + "gate_proj.bias", (inter,)), w(m + "up_proj.bias", (inter,))])
+                b_gate_up=w.rows((m + "gate_proj.bias", (inter,)), (m + "up_proj.bias", (inter,)))
                 if cfg.mlp_bias and not sparse
                 else None,
                 w_down=w_down,
@@ -501,12 +486,7 @@ def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype,
                 moe=layer_moe,
             )
         )
-    device = placement.first
-    embed = wl("model.embed_tokens.weight", (cfg.vocab_size, hid))
-    device = placement.last
-    lm_head = head_of(
-        ckpt, lambda: wl(LM_HEAD, (cfg.vocab_size, hid)), embed, device, cfg.tie_word_embeddings
-    )
+    embed, lm_head = w.ends(wl, "model.embed_tokens.weight", cfg.vocab_size, hid, cfg.tie_word_embeddings)
     weights = {
         "embed": embed,
         "lm_head": lm_head,

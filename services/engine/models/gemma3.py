@@ -33,8 +33,7 @@ from keepwarm.engine.models.sliding import (
     SlidingKvBackend,
     check_layer_types,
 )
-from keepwarm.engine.models.weights import LM_HEAD
-from keepwarm.engine.models.weights import lm_head as head_of
+from keepwarm.engine.models.weights import Loader
 from keepwarm.kernels.ops import Ops
 from keepwarm.kernels.sliding_attention import SlidingAttentionOps
 
@@ -287,40 +286,22 @@ def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype,
     hid, d = cfg.hidden_size, cfg.head_dim
     q_size, kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
     inter = cfg.intermediate_size
-    device = placement.first  # where `w` loads to: set per layer, then per stage below
-
-    def w(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        return ckpt.load(name, dtype, device, shape=shape)
-
-    def norm(name: str, size: int) -> torch.Tensor:
-        """Gemma3RMSNorm's scale: 1 + weight in float32 (the weight as stored in `dtype` first)."""
-        return 1.0 + w(name, (size,)).float()
-
+    w = Loader(ckpt, placement, dtype)
+    norm = w.norm_1p  # Gemma3RMSNorm's scale
     layers: list[_Layer] = []
     for i in range(cfg.num_layers):
-        device = placement.device_of(i)
+        w.at_layer(i)
         p = f"model.layers.{i}."
         sa, mp = p + "self_attn.", p + "mlp."
         b_qkv = b_o = None
         if cfg.attention_bias:
-            b_qkv = torch.cat(
-                [
-                    w(sa + "q_proj.bias", (q_size,)),
-                    w(sa + "k_proj.bias", (kv_size,)),
-                    w(sa + "v_proj.bias", (kv_size,)),
-                ]
-            )
+            b_qkv = w.qkv(sa, q_size, kv_size)
             b_o = w(sa + "o_proj.bias", (hid,))
+        gate_up, down = w.gate_up_down(mp, hid, inter)
         layers.append(
             _Layer(
                 input_norm=norm(p + "input_layernorm.weight", hid),
-                w_qkv=torch.cat(
-                    [
-                        w(sa + "q_proj.weight", (q_size, hid)),
-                        w(sa + "k_proj.weight", (kv_size, hid)),
-                        w(sa + "v_proj.weight", (kv_size, hid)),
-                    ]
-                ),
+                w_qkv=w.qkv(sa, q_size, kv_size, hid),
                 b_qkv=b_qkv,
                 q_norm=norm(sa + "q_norm.weight", d),
                 k_norm=norm(sa + "k_norm.weight", d),
@@ -329,17 +310,14 @@ def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype,
                 post_attn_norm=norm(p + "post_attention_layernorm.weight", hid),
                 pre_ffn_norm=norm(p + "pre_feedforward_layernorm.weight", hid),
                 post_ffn_norm=norm(p + "post_feedforward_layernorm.weight", hid),
-                w_gate_up=torch.cat(
-                    [w(mp + "gate_proj.weight", (inter, hid)), w(mp + "up_proj.weight", (inter, hid))]
-                ),
-                w_down=w(mp + "down_proj.weight", (hid, inter)),
+                w_gate_up=gate_up,
+                w_down=down,
             )
         )
-    device = placement.first
-    embed = w("model.embed_tokens.weight", (cfg.vocab_size, hid))
-    device = placement.last
-    tied = cfg.tie_word_embeddings  # transformers ties lm_head to the embedding (a stored copy is ignored)
-    lm_head = head_of(ckpt, lambda: w(LM_HEAD, (cfg.vocab_size, hid)), embed, device, tied, tied_wins=True)
+    # transformers ties lm_head to the embedding (a stored copy is ignored)
+    embed, lm_head = w.ends(
+        w, "model.embed_tokens.weight", cfg.vocab_size, hid, cfg.tie_word_embeddings, True
+    )
     ropes = {}
     for kind in sorted(set(cfg.layer_types)):
         params = cfg.rope_parameters[kind]

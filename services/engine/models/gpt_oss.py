@@ -29,8 +29,7 @@ from keepwarm.engine.models.sliding import (
     SlidingKvBackend,
     check_layer_types,
 )
-from keepwarm.engine.models.weights import LM_HEAD
-from keepwarm.engine.models.weights import lm_head as head_of
+from keepwarm.engine.models.weights import Loader
 from keepwarm.kernels.ops import Ops
 from keepwarm.kernels.sliding_attention import SlidingAttentionOps
 
@@ -248,13 +247,10 @@ def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype,
     stage, the final norm and the head on the last."""
     cfg = GptOssConfig.from_dict(ckpt.config)
     placement = Placement.of(where, cfg.num_layers)
-    device = placement.first  # where `w` loads to: set per layer, then per stage below
+    w = Loader(ckpt, placement, dtype)
     hid, d = cfg.hidden_size, cfg.head_dim
     q_size, kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
     e_n, inter = cfg.num_experts, cfg.intermediate_size
-
-    def w(name: str, shape: tuple[int, ...], as_dtype: torch.dtype | None = None) -> torch.Tensor:
-        return ckpt.load(name, as_dtype or dtype, device, shape=shape)
 
     if any(n.endswith(("_blocks", "_scales")) for n in ckpt.name_to_file):
         raise CheckpointError(
@@ -262,18 +258,12 @@ def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype,
         )
     layers: list[_Layer] = []
     for i in range(cfg.num_layers):
-        device = placement.device_of(i)
+        w.at_layer(i)
         p = f"model.layers.{i}."
         sa, mp = p + "self_attn.", p + "mlp."
         b_qkv = b_o = None
         if cfg.attention_bias:
-            b_qkv = torch.cat(
-                [
-                    w(sa + "q_proj.bias", (q_size,)),
-                    w(sa + "k_proj.bias", (kv_size,)),
-                    w(sa + "v_proj.bias", (kv_size,)),
-                ]
-            )
+            b_qkv = w.qkv(sa, q_size, kv_size)
             b_o = w(sa + "o_proj.bias", (hid,))
         # experts as stored: gate_up [E, hidden, 2I] with gate and up interleaved in the last
         # dim (even: gate, odd: up), down [E, I, hidden]; kept as F.linear weights
@@ -284,13 +274,7 @@ def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype,
         layers.append(
             _Layer(
                 input_norm=w(p + "input_layernorm.weight", (hid,), torch.float32),
-                w_qkv=torch.cat(
-                    [
-                        w(sa + "q_proj.weight", (q_size, hid)),
-                        w(sa + "k_proj.weight", (kv_size, hid)),
-                        w(sa + "v_proj.weight", (kv_size, hid)),
-                    ]
-                ),
+                w_qkv=w.qkv(sa, q_size, kv_size, hid),
                 b_qkv=b_qkv,
                 sinks=w(sa + "sinks", (cfg.num_heads,)).float(),  # runtime dtype, then float32
                 w_o=w(sa + "o_proj.weight", (hid, q_size)),
@@ -304,10 +288,7 @@ def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype,
                 down_bias=w(mp + "experts.down_proj_bias", (e_n, hid)),
             )
         )
-    device = placement.first
-    embed = w("model.embed_tokens.weight", (cfg.vocab_size, hid))
-    device = placement.last
-    lm_head = head_of(ckpt, lambda: w(LM_HEAD, (cfg.vocab_size, hid)), embed, device, cfg.tie_word_embeddings)
+    embed, lm_head = w.ends(w, "model.embed_tokens.weight", cfg.vocab_size, hid, cfg.tie_word_embeddings)
     raw = dict(ckpt.config)
     if not (raw.get("rope_parameters") or raw.get("rope_scaling")):
         raw["rope_parameters"] = dict(DEFAULT_ROPE)

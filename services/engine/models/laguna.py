@@ -11,7 +11,6 @@ Every config.json field is implemented, known to be inert at inference, or refus
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +19,9 @@ import torch.nn.functional as F
 
 from keepwarm.engine.loading.checkpoint import Checkpoint, CheckpointError
 from keepwarm.engine.models.config_fields import refuse_unknown_fields, require_silu
+from keepwarm.engine.models.moe import Mlp as _Mlp
+from keepwarm.engine.models.moe import load_experts
+from keepwarm.engine.models.moe import mlp as _mlp
 from keepwarm.engine.models.placement import Placement
 from keepwarm.engine.models.rope import Rope, build_rope
 from keepwarm.engine.models.sliding import (
@@ -30,8 +32,7 @@ from keepwarm.engine.models.sliding import (
     SlidingKvBackend,
     check_layer_types,
 )
-from keepwarm.engine.models.weights import LM_HEAD
-from keepwarm.engine.models.weights import lm_head as head_of
+from keepwarm.engine.models.weights import Loader
 from keepwarm.kernels.ops import Ops
 from keepwarm.kernels.sliding_attention import SlidingAttentionOps
 
@@ -166,12 +167,6 @@ class _Attention:
 
 
 @dataclass(frozen=True)
-class _Mlp:
-    w_gate_up: torch.Tensor  # [2 I, hidden]
-    w_down: torch.Tensor  # [hidden, I]
-
-
-@dataclass(frozen=True)
 class _Moe:
     router: torch.Tensor  # [E, hidden]
     select_bias: torch.Tensor  # [E] float32: added to the scores for selection only
@@ -246,17 +241,13 @@ class LagunaBackend(SlidingKvBackend):
                 out = out.reshape(n, a.num_heads * d) * gate
             x = x + ops.linear(out.reshape(n, a.num_heads * d), a.w_o, a.b_o)
             h = ops.rms_norm(x, layer.post_norm, c.rms_norm_eps)
-            x = x + (self._mlp(layer.mlp, h) if isinstance(layer.mlp, _Mlp) else self._moe(layer.mlp, h))
+            x = x + (_mlp(layer.mlp, h, self.ops) if isinstance(layer.mlp, _Mlp) else self._moe(layer.mlp, h))
         return x
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.ops.linear(
             self.ops.rms_norm(h, self.final_norm, self.cfg.rms_norm_eps), self.lm_head
         ).float()
-
-    def _mlp(self, w: _Mlp, h: torch.Tensor) -> torch.Tensor:
-        gate, up = self.ops.linear(h, w.w_gate_up).chunk(2, dim=-1)
-        return self.ops.linear(self.ops.silu_mul(gate, up), w.w_down)
 
     def route(self, w: _Moe, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h [N, hidden] -> (expert ids [N, k], weights [N, k] in h's dtype), as
@@ -287,7 +278,7 @@ class LagunaBackend(SlidingKvBackend):
             gate, up = ops.linear(h[tok], w.gate_up[e]).chunk(2, dim=-1)
             y = ops.linear(ops.silu_mul(gate, up), w.down[e]) * top_w[tok, slot, None]
             routed.index_add_(0, tok, y.to(routed.dtype))
-        return routed * c.routed_scaling + self._mlp(w.shared, h)
+        return routed * c.routed_scaling + _mlp(w.shared, h, self.ops)
 
 
 def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype, ops: Ops) -> LagunaBackend:
@@ -296,41 +287,26 @@ def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype,
     cfg = LagunaConfig.from_dict(ckpt.config)
     placement = Placement.of(where, cfg.num_layers)
     hid, d, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_kv_heads
-    device = placement.first  # where `w` loads to: set per layer, then per stage below
-
-    def w(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        return ckpt.load(name, dtype, device, shape=shape)
+    w = Loader(ckpt, placement, dtype)
 
     def first(names: list[str]) -> str:
         for n in names:
-            if ckpt.has(n):
+            if w.has(n):
                 return n
         return names[0]  # missing: the load names it
 
     layers: list[_Layer] = []
     for i, kind in enumerate(cfg.layer_types):
-        device = placement.device_of(i)
+        w.at_layer(i)
         p = f"model.layers.{i}."
         sa = p + "self_attn."
         hq = cfg.heads_per_layer[i]
         gate_dim = hq if cfg.gate_per_head else hq * d
-        w_qkvg = torch.cat(
-            [
-                w(sa + "q_proj.weight", (hq * d, hid)),
-                w(sa + "k_proj.weight", (hkv * d, hid)),
-                w(sa + "v_proj.weight", (hkv * d, hid)),
-                w(sa + "g_proj.weight", (gate_dim, hid)),
-            ]
-        )
+        w_qkvg = torch.cat([w.qkv(sa, hq * d, hkv * d, hid), w(sa + "g_proj.weight", (gate_dim, hid))])
         b_qkvg = b_o = None
         if cfg.attention_bias:
             b_qkvg = torch.cat(
-                [
-                    w(sa + "q_proj.bias", (hq * d,)),
-                    w(sa + "k_proj.bias", (hkv * d,)),
-                    w(sa + "v_proj.bias", (hkv * d,)),
-                    torch.zeros(gate_dim, dtype=dtype, device=device),
-                ]
+                [w.qkv(sa, hq * d, hkv * d), torch.zeros(gate_dim, dtype=dtype, device=w.device)]
             )
             b_o = w(sa + "o_proj.bias", (hid,))
         attn = _Attention(
@@ -345,23 +321,10 @@ def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype,
         mp = p + "mlp."
         mlp: _Mlp | _Moe
         if cfg.mlp_layer_types[i] == DENSE:
-            mlp = _dense(w, mp, hid, cfg.intermediate_size)
+            mlp = _Mlp(*w.gate_up_down(mp, hid, cfg.intermediate_size))
         else:
             e_n, e_i = cfg.num_experts, cfg.moe_intermediate_size
-            if ckpt.has(mp + "experts.gate_up_proj"):  # fused layout (transformers' runtime form)
-                gate_up = w(mp + "experts.gate_up_proj", (e_n, 2 * e_i, hid))
-                down = w(mp + "experts.down_proj", (e_n, hid, e_i))
-            else:  # per-expert layout (save_pretrained's form)
-                ex = [f"{mp}experts.{e}." for e in range(e_n)]
-                gate_up = torch.stack(
-                    [
-                        torch.cat(
-                            [w(x + "gate_proj.weight", (e_i, hid)), w(x + "up_proj.weight", (e_i, hid))]
-                        )
-                        for x in ex
-                    ]
-                )
-                down = torch.stack([w(x + "down_proj.weight", (hid, e_i)) for x in ex])
+            gate_up, down = load_experts(w.has, w, mp, e_n, e_i, hid)
             # save_pretrained's names first, then the module names transformers runs with
             bias = first([mp + "experts.e_score_correction_bias", mp + "gate.e_score_correction_bias"])
             shared = first([mp + "shared_expert.gate_proj.weight", mp + "shared_experts.gate_proj.weight"])
@@ -370,8 +333,10 @@ def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype,
                 select_bias=w(bias, (e_n,)).float(),  # runtime dtype, then float32 (as transformers)
                 gate_up=gate_up,
                 down=down,
-                shared=_dense(
-                    w, shared.removesuffix("gate_proj.weight"), hid, cfg.shared_expert_intermediate_size
+                shared=_Mlp(
+                    *w.gate_up_down(
+                        shared.removesuffix("gate_proj.weight"), hid, cfg.shared_expert_intermediate_size
+                    )
                 ),
             )
         layers.append(
@@ -383,10 +348,7 @@ def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype,
                 mlp=mlp,
             )
         )
-    device = placement.first
-    embed = w("model.embed_tokens.weight", (cfg.vocab_size, hid))
-    device = placement.last
-    lm_head = head_of(ckpt, lambda: w(LM_HEAD, (cfg.vocab_size, hid)), embed, device, cfg.tie_word_embeddings)
+    embed, lm_head = w.ends(w, "model.embed_tokens.weight", cfg.vocab_size, hid, cfg.tie_word_embeddings)
     ropes = {}
     for kind, params in cfg.rope_parameters.items():
         ropes[kind] = build_rope({**ckpt.config, "rope_parameters": params}, d, placement.first)
@@ -406,8 +368,3 @@ def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype,
         ops,
         placement.sliding_attention(),  # the one place the attention implementation is chosen
     )
-
-
-def _dense(w: Callable[[str, tuple[int, ...]], torch.Tensor], p: str, hid: int, inter: int) -> _Mlp:
-    gate_up = torch.cat([w(p + "gate_proj.weight", (inter, hid)), w(p + "up_proj.weight", (inter, hid))])
-    return _Mlp(w_gate_up=gate_up, w_down=w(p + "down_proj.weight", (hid, inter)))

@@ -1,6 +1,7 @@
 """The softmax top-k mixture of experts shared by qwen3_5 (Qwen3.5-MoE: with a gated shared
-expert) and the dense family's qwen3_moe (Qwen3-MoE: without one), and the loading of its
-experts in both checkpoint layouts."""
+expert) and the dense family's qwen3_moe (Qwen3-MoE: without one), the gated MLP (also
+laguna's dense layers and shared expert), and the loading of experts in both checkpoint
+layouts (laguna's too)."""
 
 from __future__ import annotations
 

@@ -45,8 +45,7 @@ from keepwarm.engine.models.moe import moe as _moe
 from keepwarm.engine.models.placement import Placement
 from keepwarm.engine.models.rope import Rope, build_rope
 from keepwarm.engine.models.step import Step
-from keepwarm.engine.models.weights import LM_HEAD
-from keepwarm.engine.models.weights import lm_head as head_of
+from keepwarm.engine.models.weights import Loader
 from keepwarm.kernels.delta_rule import DeltaRuleOps
 from keepwarm.kernels.ops import Ops
 
@@ -467,21 +466,14 @@ def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype,
     raw = text_config(ckpt.config)
     cfg = Qwen35Config.from_dict(raw)
     placement = Placement.of(where, cfg.num_layers)
-    device = placement.first  # where `w` loads to: set per layer, then per stage below
     prefix = "model.language_model." if ckpt.has("model.language_model.embed_tokens.weight") else "model."
+    w = Loader(ckpt, placement, dtype, prefix)
     hid, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     hv = cfg.linear_num_value_heads
 
-    def w(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        return ckpt.load(prefix + name, dtype, device, shape=shape)
-
-    def norm_1p(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        # transformers computes `1.0 + weight.float()` from the runtime-dtype weight
-        return 1.0 + w(name, shape).float()
-
     layers: list[_Layer] = []
     for i, kind in enumerate(cfg.layer_types):
-        device = placement.device_of(i)
+        w.at_layer(i)
         p = f"layers.{i}."
         mixer: _Linear | _Attention
         if kind == LINEAR:
@@ -511,44 +503,35 @@ def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype,
                 w_kv=torch.cat(
                     [w(sa + "k_proj.weight", (kv, hid)), w(sa + "v_proj.weight", (kv, hid))], dim=0
                 ),
-                q_norm=norm_1p(sa + "q_norm.weight", (d,)),
-                k_norm=norm_1p(sa + "k_norm.weight", (d,)),
+                q_norm=w.norm_1p(sa + "q_norm.weight", d),
+                k_norm=w.norm_1p(sa + "k_norm.weight", d),
                 w_o=w(sa + "o_proj.weight", (hid, cfg.num_heads * d)),
             )
         mp = p + "mlp."
         mlp: _Mlp | _Moe
         if cfg.num_experts:
             e_n, e_i, s_i = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
-            gate_up, down = load_experts(lambda n: ckpt.has(prefix + n), w, mp, e_n, e_i, hid)
+            gate_up, down = load_experts(w.has, w, mp, e_n, e_i, hid)
             mlp = _Moe(
                 router=w(mp + "gate.weight", (e_n, hid)),
                 gate_up=gate_up,
                 down=down,
-                shared=_dense_mlp(w, mp + "shared_expert.", hid, s_i),
+                shared=_Mlp(*w.gate_up_down(mp + "shared_expert.", hid, s_i)),
                 shared_gate=w(mp + "shared_expert_gate.weight", (1, hid)),
                 top_k=cfg.num_experts_per_tok,
             )
         else:
-            mlp = _dense_mlp(w, mp, hid, inter)
+            mlp = _Mlp(*w.gate_up_down(mp, hid, inter))
         layers.append(
             _Layer(
                 kind=kind,
-                input_norm=norm_1p(p + "input_layernorm.weight", (hid,)),
+                input_norm=w.norm_1p(p + "input_layernorm.weight", hid),
                 mixer=mixer,
-                post_norm=norm_1p(p + "post_attention_layernorm.weight", (hid,)),
+                post_norm=w.norm_1p(p + "post_attention_layernorm.weight", hid),
                 mlp=mlp,
             )
         )
-    device = placement.first
-    embed = w("embed_tokens.weight", (cfg.vocab_size, hid))
-    device = placement.last
-    lm_head = head_of(
-        ckpt,
-        lambda: ckpt.load(LM_HEAD, dtype, device, shape=(cfg.vocab_size, hid)),
-        embed,
-        device,
-        cfg.tie_word_embeddings,
-    )
+    embed, lm_head = w.ends(w, "embed_tokens.weight", cfg.vocab_size, hid, cfg.tie_word_embeddings)
     rope = build_rope(raw, d, placement.first)
     if rope.rotary_dim > d:
         raise CheckpointError(f"config.json: rotary dim {rope.rotary_dim} exceeds head_dim {d}")
@@ -557,7 +540,7 @@ def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype,
         rope,
         embed,
         lm_head,
-        norm_1p("norm.weight", (hid,)),  # on the last stage
+        w.norm_1p("norm.weight", hid),  # on the last stage
         layers,
         placement,
         dtype,
@@ -565,10 +548,3 @@ def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype,
         # the delta rule comes with the ops bundle (invariant mode: one token-serial form)
         DeltaRuleOps(ops.name, ops.delta_rule_prefill, ops.delta_rule_decode),
     )
-
-
-def _dense_mlp(w: Callable[[str, tuple[int, ...]], torch.Tensor], p: str, hid: int, inter: int) -> _Mlp:
-    gate_up = torch.cat(
-        [w(p + "gate_proj.weight", (inter, hid)), w(p + "up_proj.weight", (inter, hid))], dim=0
-    )
-    return _Mlp(w_gate_up=gate_up, w_down=w(p + "down_proj.weight", (hid, inter)))
