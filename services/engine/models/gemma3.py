@@ -29,13 +29,12 @@ from keepwarm.engine.models.sliding import (
     FULL,
     SLIDING,
     Batch,
-    KvLayout,
+    Ends,
     SlidingKvBackend,
     check_layer_types,
 )
 from keepwarm.engine.models.weights import Loader
 from keepwarm.kernels.ops import Ops
-from keepwarm.kernels.sliding_attention import SlidingAttentionOps
 
 # Every field of transformers' Gemma3TextConfig (and the older names Hub configs still carry),
 # by what this family does with it (tests/engine/models/test_gemma3.py keeps the lists complete).
@@ -214,46 +213,33 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return (xf * 0.5 * (torch.tanh(inner) + 1.0)).to(x.dtype)
 
 
-class Gemma3Backend(SlidingKvBackend):
+class Gemma3Backend(SlidingKvBackend[_Layer]):
     family = "gemma3"
 
     def __init__(
         self,
         cfg: Gemma3Config,
         ropes: dict[str, Rope],
-        embed: torch.Tensor,
-        lm_head: torch.Tensor,
-        final_norm: torch.Tensor,
+        ends: Ends,
         layers: list[_Layer],
         placement: Placement,
         dtype: torch.dtype,
         ops: Ops,
-        attention: SlidingAttentionOps,
     ) -> None:
-        layout = KvLayout(cfg.layer_types, cfg.sliding_window, cfg.num_kv_heads, cfg.head_dim)
-        super().__init__(layout, cfg.vocab_size, placement, dtype, attention)
+        super().__init__(cfg, ropes, ends, layers, placement, dtype, ops)
         self.cfg = cfg
-        self.ropes = ropes
-        self.embed = embed
-        self.lm_head = lm_head
-        self.final_norm = final_norm
-        self.layers = layers
-        self.ops = ops
         self.scale = cfg.query_pre_attn_scalar**-0.5
         # Gemma3TextScaledWordEmbedding: sqrt(hidden) as a float32 tensor, cast to the weight dtype
-        self.embed_scale = torch.tensor(cfg.hidden_size**0.5).to(embed.dtype)
+        self.embed_scale = torch.tensor(cfg.hidden_size**0.5).to(self.embed.dtype)
 
     def _hidden(self, batch: Batch, tokens: torch.Tensor) -> torch.Tensor:
         c, ops = self.cfg, self.ops
         eps = c.rms_norm_eps
         x = F.embedding(tokens, self.embed) * self.embed_scale.to(self.embed.device)  # [N, hidden]
         n, d, hq, hkv = x.shape[0], c.head_dim, c.num_heads, c.num_kv_heads
-        cos_sin = {t: batch.cos_sin(r, self.dtype) for t, r in self.ropes.items()}
+        cos_sin = self._cos_sin(batch)
         for i, layer in enumerate(self.layers):
-            dev = self.placement.device_of(i)
-            if x.device != dev:  # a stage boundary: the hidden state and positions move on
-                x = x.to(dev)
-                cos_sin = {t: (cos.to(dev), sin.to(dev)) for t, (cos, sin) in cos_sin.items()}
+            x, cos_sin = self._to_stage(i, x, cos_sin)
             h = ops.rms_norm_1p(x, layer.input_norm, eps)
             q, k, v = ops.linear(h, layer.w_qkv, layer.b_qkv).split([hq * d, hkv * d, hkv * d], dim=-1)
             q = ops.rms_norm_1p(q.reshape(n, hq, d), layer.q_norm, eps)
@@ -326,15 +312,5 @@ def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype,
                 f"config.json: rope_parameters[{kind!r}] partial_rotary_factor must be 1.0 for gemma3"
             )
         ropes[kind] = build_rope({**ckpt.config, "rope_parameters": params}, d, placement.first)
-    return Gemma3Backend(
-        cfg,
-        ropes,
-        embed,
-        lm_head,
-        norm("model.norm.weight", hid),  # on the last stage
-        layers,
-        placement,
-        dtype,
-        ops,
-        placement.sliding_attention(),  # the one place the attention implementation is chosen
-    )
+    ends = Ends(embed, norm("model.norm.weight", hid), lm_head)  # the final norm on the last stage
+    return Gemma3Backend(cfg, ropes, ends, layers, placement, dtype, ops)

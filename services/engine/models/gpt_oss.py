@@ -25,13 +25,12 @@ from keepwarm.engine.models.sliding import (
     FULL,
     SLIDING,
     Batch,
-    KvLayout,
+    Ends,
     SlidingKvBackend,
     check_layer_types,
 )
 from keepwarm.engine.models.weights import Loader
 from keepwarm.kernels.ops import Ops
-from keepwarm.kernels.sliding_attention import SlidingAttentionOps
 
 # Fields with no effect on inference outputs (training, generation defaults, metadata;
 # `initial_context_length` is the original OpenAI name of the YaRN original length).
@@ -170,43 +169,32 @@ def rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float, ops: Ops) ->
     return (weight * xf).to(x.dtype)
 
 
-class GptOssBackend(SlidingKvBackend):
+class GptOssBackend(SlidingKvBackend[_Layer]):
     family = "gpt_oss"
 
     def __init__(
         self,
         cfg: GptOssConfig,
         rope: Rope,
-        embed: torch.Tensor,
-        lm_head: torch.Tensor,
-        final_norm: torch.Tensor,
+        ends: Ends,
         layers: list[_Layer],
         placement: Placement,
         dtype: torch.dtype,
         ops: Ops,
-        attention: SlidingAttentionOps,
     ) -> None:
-        layout = KvLayout(cfg.layer_types, cfg.sliding_window, cfg.num_kv_heads, cfg.head_dim)
-        super().__init__(layout, cfg.vocab_size, placement, dtype, attention)
+        super().__init__(cfg, dict.fromkeys((FULL, SLIDING), rope), ends, layers, placement, dtype, ops)
         self.cfg = cfg
-        self.rope = rope
-        self.embed = embed
-        self.lm_head = lm_head
-        self.final_norm = final_norm
-        self.layers = layers
-        self.ops = ops
         self.scale = cfg.head_dim**-0.5
 
     def _hidden(self, batch: Batch, tokens: torch.Tensor) -> torch.Tensor:
         c, ops = self.cfg, self.ops
         x = F.embedding(tokens, self.embed)  # [N, hidden]
         n, d = x.shape[0], c.head_dim
-        cos, sin = batch.cos_sin(self.rope, self.dtype)
+        cos_sin = self._cos_sin(batch)
         q_size, kv_size = c.num_heads * d, c.num_kv_heads * d
         for i, layer in enumerate(self.layers):
-            dev = self.placement.device_of(i)
-            if x.device != dev:  # a stage boundary: the hidden state and positions move on
-                x, cos, sin = x.to(dev), cos.to(dev), sin.to(dev)
+            x, cos_sin = self._to_stage(i, x, cos_sin)
+            cos, sin = cos_sin[c.layer_types[i]]
             h = rms_norm_f32(x, layer.input_norm, c.rms_norm_eps, ops)
             q, k, v = ops.linear(h, layer.w_qkv, layer.b_qkv).split([q_size, kv_size, kv_size], dim=-1)
             q = ops.rotary(q.reshape(n, c.num_heads, d), cos, sin)
@@ -297,15 +285,7 @@ def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype,
             "config.json: rope partial_rotary_factor must be 1.0 for gpt_oss (every dim rotates)"
         )
     rope = build_rope(raw, d, placement.first)
-    return GptOssBackend(
-        cfg,
-        rope,
-        embed,
-        lm_head,
-        w("model.norm.weight", (hid,), torch.float32),
-        layers,
-        placement,
-        dtype,
-        ops,
-        placement.sliding_attention(),  # the one place the attention implementation is chosen
-    )
+    ends = Ends(
+        embed, w("model.norm.weight", (hid,), torch.float32), lm_head
+    )  # the final norm on the last stage
+    return GptOssBackend(cfg, rope, ends, layers, placement, dtype, ops)

@@ -28,13 +28,12 @@ from keepwarm.engine.models.sliding import (
     FULL,
     SLIDING,
     Batch,
-    KvLayout,
+    Ends,
     SlidingKvBackend,
     check_layer_types,
 )
 from keepwarm.engine.models.weights import Loader
 from keepwarm.kernels.ops import Ops
-from keepwarm.kernels.sliding_attention import SlidingAttentionOps
 
 DENSE, SPARSE = "dense", "sparse"
 
@@ -184,43 +183,30 @@ class _Layer:
     mlp: _Mlp | _Moe
 
 
-class LagunaBackend(SlidingKvBackend):
+class LagunaBackend(SlidingKvBackend[_Layer]):
     family = "laguna"
 
     def __init__(
         self,
         cfg: LagunaConfig,
         ropes: dict[str, Rope],
-        embed: torch.Tensor,
-        lm_head: torch.Tensor,
-        final_norm: torch.Tensor,
+        ends: Ends,
         layers: list[_Layer],
         placement: Placement,
         dtype: torch.dtype,
         ops: Ops,
-        attention: SlidingAttentionOps,
     ) -> None:
-        layout = KvLayout(cfg.layer_types, cfg.sliding_window, cfg.num_kv_heads, cfg.head_dim)
-        super().__init__(layout, cfg.vocab_size, placement, dtype, attention)
+        super().__init__(cfg, ropes, ends, layers, placement, dtype, ops)
         self.cfg = cfg
-        self.ropes = ropes
-        self.embed = embed
-        self.lm_head = lm_head
-        self.final_norm = final_norm
-        self.layers = layers
-        self.ops = ops
         self.scale = cfg.head_dim**-0.5
 
     def _hidden(self, batch: Batch, tokens: torch.Tensor) -> torch.Tensor:
         c, ops = self.cfg, self.ops
         x = F.embedding(tokens, self.embed)  # [N, hidden]
         n, d, hkv = x.shape[0], c.head_dim, c.num_kv_heads
-        cos_sin = {t: batch.cos_sin(r, self.dtype) for t, r in self.ropes.items()}
+        cos_sin = self._cos_sin(batch)
         for i, layer in enumerate(self.layers):
-            dev = self.placement.device_of(i)
-            if x.device != dev:  # a stage boundary: the hidden state and positions move on
-                x = x.to(dev)
-                cos_sin = {t: (cos.to(dev), sin.to(dev)) for t, (cos, sin) in cos_sin.items()}
+            x, cos_sin = self._to_stage(i, x, cos_sin)
             a = layer.attn
             h = ops.rms_norm(x, layer.input_norm, c.rms_norm_eps)
             gate_dim = a.num_heads if c.gate_per_head else a.num_heads * d
@@ -356,15 +342,5 @@ def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype,
             raise CheckpointError(
                 f"config.json: {kind} rotary dim {ropes[kind].rotary_dim} exceeds head_dim {d}"
             )
-    return LagunaBackend(
-        cfg,
-        ropes,
-        embed,
-        lm_head,
-        w("model.norm.weight", (hid,)),  # on the last stage
-        layers,
-        placement,
-        dtype,
-        ops,
-        placement.sliding_attention(),  # the one place the attention implementation is chosen
-    )
+    ends = Ends(embed, w("model.norm.weight", (hid,)), lm_head)  # the final norm on the last stage
+    return LagunaBackend(cfg, ropes, ends, layers, placement, dtype, ops)

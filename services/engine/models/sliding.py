@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
@@ -296,23 +297,73 @@ class KvStateBackend:
         return {s.name for s in self.geometry.specs if s.name != LOGITS}
 
 
-class SlidingKvBackend(KvStateBackend):
+class SlidingShape(Protocol):
+    """What a sliding family's config tells the shared half: its layers' kinds and K/V shape."""
+
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def layer_types(self) -> Sequence[str]: ...
+    @property
+    def sliding_window(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Ends:
+    """A model's weights outside its layers: the embedding on the first stage, the final norm
+    and the output projection on the last."""
+
+    embed: torch.Tensor  # [vocab, hidden]
+    final_norm: torch.Tensor  # [hidden]
+    lm_head: torch.Tensor  # [vocab, hidden]
+
+
+L = TypeVar("L")
+
+
+class SlidingKvBackend(KvStateBackend, Generic[L]):
     """The Backend contract (models/backend.py) for full + sliding attention families, minus
-    the family's math (`_hidden`, `_logits`)."""
+    the family's math (`_hidden`, `_logits`). `ropes` maps each layer kind to its rotary
+    embedding (one object for both kinds where they share it)."""
 
     family: str
-    ops: Ops  # set by the family
 
     def __init__(
         self,
-        layout: KvLayout,
-        vocab_size: int,
+        shape: SlidingShape,
+        ropes: dict[str, Rope],
+        ends: Ends,
+        layers: list[L],
         placement: Placement,
         dtype: torch.dtype,
-        attention: SlidingAttentionOps,
+        ops: Ops,
     ) -> None:
-        super().__init__(layout, vocab_size, placement, dtype)
-        self.attention = attention
+        layout = KvLayout(tuple(shape.layer_types), shape.sliding_window, shape.num_kv_heads, shape.head_dim)
+        super().__init__(layout, shape.vocab_size, placement, dtype)
+        self.ropes, self.layers, self.ops = ropes, layers, ops
+        self.embed, self.final_norm, self.lm_head = ends.embed, ends.final_norm, ends.lm_head
+        self.attention: SlidingAttentionOps = placement.sliding_attention()  # the one place it is chosen
+
+    def _cos_sin(self, batch: Batch) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer kind's rotary cos/sin at the batch's positions (once per rope object)."""
+        by_rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for rope in self.ropes.values():
+            if id(rope) not in by_rope:
+                by_rope[id(rope)] = batch.cos_sin(rope, self.dtype)
+        return {kind: by_rope[id(rope)] for kind, rope in self.ropes.items()}
+
+    def _to_stage(
+        self, i: int, x: torch.Tensor, cos_sin: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+        """Before layer i: at a stage boundary the hidden state and the positions move on."""
+        dev = self.placement.device_of(i)
+        if x.device == dev:
+            return x, cos_sin
+        return x.to(dev), {t: (cos.to(dev), sin.to(dev)) for t, (cos, sin) in cos_sin.items()}
 
     # -- the family's part ---------------------------------------------------------
     def _hidden(self, batch: Batch, tokens: torch.Tensor) -> torch.Tensor:

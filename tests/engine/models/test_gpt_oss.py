@@ -20,6 +20,7 @@ from keepwarm.engine.loading.checkpoint import CheckpointError, open_checkpoint
 from keepwarm.engine.models import build_backend
 from keepwarm.engine.models.geometry import SnapshotMismatch
 from keepwarm.engine.models.gpt_oss import GptOssBackend, build
+from keepwarm.engine.models.sliding import FULL, SLIDING
 from keepwarm.kernels.ops import TORCH_OPS
 from keepwarm.kernels.sliding_attention import TRITON_SLIDING
 from tests.engine.models import sliding_checks as checks
@@ -276,10 +277,10 @@ def test_hub_style_config_loads(oss_dir: Path, tmp_path: Path) -> None:
     (path / "config.json").write_text(json.dumps(cfg_hub))
     a = build(open_checkpoint(oss_dir), CPU, torch.float32, TORCH_OPS)
     b = build(open_checkpoint(path), CPU, torch.float32, TORCH_OPS)
-    assert (
-        torch.equal(a.rope.inv_freq, b.rope.inv_freq) and a.rope.attention_scaling == b.rope.attention_scaling
-    )
-    assert not math.isclose(a.rope.attention_scaling, 1.0)  # yarn really applies its scaling
+    ra, rb = a.ropes[FULL], b.ropes[FULL]
+    assert a.ropes[SLIDING] is ra  # one rope for both layer kinds
+    assert torch.equal(ra.inv_freq, rb.inv_freq) and ra.attention_scaling == rb.attention_scaling
+    assert not math.isclose(ra.attention_scaling, 1.0)  # yarn really applies its scaling
 
 
 def test_demo_tiny_loads_in_transformers_and_matches(tmp_path: Path) -> None:
