@@ -72,9 +72,9 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import httpx
@@ -105,6 +105,7 @@ from keepwarm.api.tenant_keys import TenantKeys
 from keepwarm.engine.serving import wire
 
 log = logging.getLogger("keepwarm.api")
+R = TypeVar("R")  # what one attempt on an engine returns
 
 # Failures that prove the engine never produced an answer the client could have
 # seen part of; the request moves on. Two kinds, told apart because one broken
@@ -342,6 +343,37 @@ class Gateway:
         self, request: Request[Any, Any, Any], data: wire.SamplingFields, path: str
     ) -> Response[Any]:
         """Chat completions and completions: the same sessions, salt, routing and usage records."""
+        if data.stream:
+            return await self._routed(request, data, path, self._stream, hands_over=True)
+        reply = await self.complete(request, data, path)
+        if reply is None:  # the client left first
+            return Response(content=b"", status_code=499)
+        return Response(content=wire.encode(reply), media_type="application/json")
+
+    async def complete(
+        self, request: Request[Any, Any, Any], data: wire.SamplingFields, path: str
+    ) -> wire.ChatCompletion | wire.Completion | None:
+        """A non-streamed answer (`data.stream` false) as its wire model, its usage recorded and
+        the engine-internal `keepwarm` object removed; None when the client left first."""
+
+        async def attempt(
+            turn: Turn, payload: bytes, ticket: Ticket
+        ) -> wire.ChatCompletion | wire.Completion | None:
+            return await self._complete(turn, payload, request)
+
+        assert not data.stream, "complete() answers a non-streamed request"
+        return await self._routed(request, data, path, attempt, hands_over=False)
+
+    async def _routed(
+        self,
+        request: Request[Any, Any, Any],
+        data: wire.SamplingFields,
+        path: str,
+        attempt: Callable[[Turn, bytes, Ticket], Awaitable[R]],
+        hands_over: bool,
+    ) -> R:
+        """`attempt` on one engine after another (session affinity first) until one answers;
+        `hands_over`: a successful attempt owns the engine's ticket (a stream closes it)."""
         caller: Caller = request.state.caller
         sid: str | None = None
         if request.headers.get("x-session-id"):
@@ -376,11 +408,9 @@ class Gateway:
                 ticket = self.pool.begin(url)  # counted in the engine's load while it runs
                 handed_over = False  # a stream closes its ticket when it ends
                 try:
-                    if streaming:
-                        response = await self._stream(turn, payload, ticket)
-                        handed_over = True
-                        return response
-                    return await self._complete(turn, payload, request)
+                    result = await attempt(turn, payload, ticket)
+                    handed_over = hands_over
+                    return result
                 except _DEAD_ERRORS as e:
                     self.pool.mark_down(url, f"{type(e).__name__}: {e}")
                     tries[url] = _TRIES_PER_ENGINE
@@ -459,7 +489,9 @@ class Gateway:
             raise error
         return resp
 
-    async def _complete(self, turn: Turn, payload: bytes, request: Request[Any, Any, Any]) -> Response[Any]:
+    async def _complete(
+        self, turn: Turn, payload: bytes, request: Request[Any, Any, Any]
+    ) -> wire.ChatCompletion | wire.Completion | None:
         async def call() -> bytes:
             resp = await self._open(turn, payload)
             try:
@@ -481,12 +513,11 @@ class Gateway:
                 with contextlib.suppress(asyncio.CancelledError):
                     await answer
         if answer.cancelled():
-            return Response(content=b"", status_code=499)
+            return None
         reply = _engine_reply(turn, answer.result())
         if reply.usage is not None and not isinstance(reply.usage, msgspec.UnsetType):
             await self.remember(turn, reply.usage, _keepwarm(reply.keepwarm))
-        reply = msgspec.structs.replace(reply, keepwarm=msgspec.UNSET)  # engine-internal
-        return Response(content=wire.encode(reply), media_type="application/json")
+        return msgspec.structs.replace(reply, keepwarm=msgspec.UNSET)  # engine-internal
 
     async def _stream(self, turn: Turn, payload: bytes, ticket: Ticket) -> Response[Any]:
         opening = asyncio.create_task(self._open(turn, payload))

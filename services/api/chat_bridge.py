@@ -113,15 +113,14 @@ class ClientGone(Exception):
 async def complete(
     gw: Gateway, request: Request[Any, Any, Any], chat: wire.ChatCompletionRequest
 ) -> dict[str, Any]:
-    """The engine's chat.completion for `chat` (stream off), through the gateway's path."""
-    response = await gw.generate(request, msgspec_replace(chat, stream=False, stream_options=None),
-                                 "/v1/chat/completions")  # fmt: skip
-    if response.status_code == 499:  # the client left; nothing to convert
-        raise ClientGone(response)
-    content = response.content
-    data = json.loads(content if isinstance(content, (bytes, str)) else b"{}")
-    if not isinstance(data, dict):
-        raise ApiError(502, "engine returned JSON that is not an object")
+    """The engine's chat.completion for `chat` (stream off), through the gateway's path, as
+    plain data for the converters (built from the gateway's decoded reply: no second parse)."""
+    reply = await gw.complete(request, msgspec_replace(chat, stream=False, stream_options=None),
+                              "/v1/chat/completions")  # fmt: skip
+    if reply is None:  # the client left; nothing to convert
+        raise ClientGone(Response(content=b"", status_code=499))
+    data = msgspec.to_builtins(reply)
+    assert isinstance(data, dict), "a wire model is an object"
     return data
 
 
