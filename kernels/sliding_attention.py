@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -238,9 +239,11 @@ def triton_decode(
 
 @dataclass(frozen=True)
 class _Kernels:
-    prefill: object
-    decode_partial: object
-    decode_reduce: object
+    """The jitted kernels (triton.JITFunction: launched as kernel[grid](...))."""
+
+    prefill: Any
+    decode_partial: Any
+    decode_reduce: Any
 
 
 @functools.cache

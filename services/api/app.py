@@ -671,7 +671,8 @@ class Gateway:
                 if isinstance(e, dict) and (own is None or e.get("key") in own)
             ]
             entries.sort(key=rank, reverse=True)
-            stats = data.get("stats") if isinstance(data.get("stats"), dict) else {}
+            raw = data.get("stats")
+            stats: dict[str, Any] = raw if isinstance(raw, dict) else {}
             return row | {
                 "namespace": data.get("namespace"),
                 "stats": stats if admin else _shared_stats(stats),

@@ -137,24 +137,33 @@ class Row:
         )
 
 
+def _count(v: object) -> int:
+    """A database integer field: an int (not a bool) in [0, 2**62)."""
+    if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 62:
+        return v
+    raise ValueError(f"not a count: {v!r}")
+
+
+def _time(v: object) -> float:
+    """A database time or score field: a finite number."""
+    if isinstance(v, (int, float)) and math.isfinite(v):
+        return float(v)
+    raise ValueError(f"not a finite number: {v!r}")
+
+
 def valid_row(raw: Sequence[object]) -> Row | None:
     """A Row from a database row, or None when any field is garbage."""
     try:
         ns, key, path, tokens, position, nbytes, created, state, owner, since, hits, dec, ref, last = raw
-        ints = (tokens, position, nbytes, state, hits)
-        floats = (created, since, dec, ref, last)
         if not (isinstance(ns, str) and isinstance(key, str) and isinstance(owner, str)):
             return None
         if not (NAME.fullmatch(ns) and NAME.fullmatch(key) and path == rel_path(ns, key)):
             return None
-        if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 62 for v in ints):
+        row = Row(ns, key, _count(tokens), _count(position), _count(nbytes), _time(created), _count(state),
+                  owner, _time(since), _count(hits), _time(dec), _time(ref), _time(last))  # fmt: skip
+        if row.state not in (LIVE, WRITING, EVICTING) or row.position > row.tokens or row.decayed < 0:
             return None
-        if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in floats):
-            return None
-        if state not in (LIVE, WRITING, EVICTING) or position > tokens or dec < 0:
-            return None
-        return Row(ns, key, tokens, position, nbytes, float(created), state, owner, float(since), hits,
-                   float(dec), float(ref), float(last))  # fmt: skip
+        return row
     except (TypeError, ValueError):
         return None
 
