@@ -73,7 +73,7 @@ async def test_load_orders_engines_and_ties_follow_the_affinity_hash(engine: Pro
         assert all(pool.candidates(a) == order for a, order in by_hash.items())
         # A sequence running on the engine, as its /health reports it, loads both names of it.
         body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 400, "stream": True,
-                "temperature": 1.0, "ignore_eos": True}  # fmt: skip
+                "temperature": 1.0, "ignore_eos": True, "speculate": False}  # fmt: skip  (still running at the probe)
         async with client.stream("POST", f"{one}/v1/completions", json=body) as r:
             assert r.status_code == 200
             lines = r.aiter_lines()

@@ -54,7 +54,8 @@ def streamed(gw: str, topic: str, session: str) -> str:
 
 def cancelled(gw: str, topic: str, session: str) -> int:
     """Reads until the first content arrives, then leaves; the bytes seen."""
-    b = body(topic, stream=True, max_tokens=CANCELLED_MAX_TOKENS, ignore_eos=True)
+    # one token per step (no drafts): the reply cannot end before the client leaves
+    b = body(topic, stream=True, max_tokens=CANCELLED_MAX_TOKENS, ignore_eos=True, speculate=False)
     with httpx.stream(
         "POST", gw + "/v1/chat/completions", json=b, headers=headers(session), timeout=120
     ) as r:

@@ -48,7 +48,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayStack]:
 
 
 def slow_chat(gw: str, i: int) -> httpx.Response:
-    body = {"model": "tiny", "max_tokens": 120, "ignore_eos": True, "temperature": 0,
+    body = {"model": "tiny", "max_tokens": 120, "ignore_eos": True, "temperature": 0, "speculate": False,
             "messages": [{"role": "user", "content": f"Count slowly, round {i}."}]}  # fmt: skip
     return httpx.post(gw + "/v1/chat/completions", json=body, headers=ALPHA, timeout=120)
 
