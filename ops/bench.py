@@ -563,7 +563,7 @@ def _serve_engine(
 def _decode_tok_s(engine: Any, streams: int, prompt_tokens: int, reply_tokens: int) -> float:
     """Aggregate decode tokens/s of `streams` sequences decoding together: from the step
     where every stream has its first token to the end."""
-    from keepwarm.engine.cache.policy import parse_policy
+    from keepwarm.engine.generation.cache_policy import parse_policy
     from keepwarm.engine.generation.request import GenerateRequest
     from keepwarm.engine.generation.sampling import SamplingParams
     from keepwarm.engine.generation.sequence import Status
@@ -591,7 +591,7 @@ def _chat_ttfts(
 ) -> tuple[list[float], list[float]]:
     """`users` conversations at once over a shared system prompt; each user sends its next
     turn as soon as its reply ends. TTFTs (s) of the first turns, and of every later turn."""
-    from keepwarm.engine.cache.policy import parse_policy
+    from keepwarm.engine.generation.cache_policy import parse_policy
     from keepwarm.engine.generation.request import FinishEvent, GenerateRequest
     from keepwarm.engine.generation.sampling import SamplingParams
 
@@ -648,7 +648,7 @@ def _agent_ttfts(
     call appended is a fixed one (a random or small model's own reply would not be a valid
     call); the prompt grows by the call and the result every step, as an agent's does.
     TTFTs (s) per step, per agent."""
-    from keepwarm.engine.cache.policy import parse_policy
+    from keepwarm.engine.generation.cache_policy import parse_policy
     from keepwarm.engine.generation.request import FinishEvent, GenerateRequest
     from keepwarm.engine.generation.sampling import SamplingParams
 

@@ -72,7 +72,7 @@ def _engine(model: Path, dtype: str, threads: int, speculate: str) -> Any:
 
 def _request(engine: Any, prompt: str, max_tokens: int, reply_start: list[int] | None = None) -> Any:
     """A greedy request, the cache off; `reply_start`: tokens the assistant's reply begins with."""
-    from keepwarm.engine.cache.policy import parse_policy
+    from keepwarm.engine.generation.cache_policy import parse_policy
     from keepwarm.engine.generation.request import GenerateRequest
     from keepwarm.engine.generation.sampling import SamplingParams
 

@@ -20,7 +20,7 @@ import torch
 
 from keepwarm import settings as keepwarm_settings
 from keepwarm.engine.cache.index_protocol import INDEX_KINDS
-from keepwarm.engine.cache.policy import Policy, parse_policy
+from keepwarm.engine.generation.cache_policy import Policy, parse_policy
 from keepwarm.engine.generation.speculation import SPECULATE_MODES
 from keepwarm.engine.loading import packaged_model
 from keepwarm.settings import (

@@ -24,11 +24,11 @@ import torch
 from keepwarm.engine.cache.disk_cache import DiskCache
 from keepwarm.engine.cache.memory_cache import MemoryCache
 from keepwarm.engine.cache.namespace import namespace_id, weights_fingerprint
-from keepwarm.engine.cache.policy import Policy
 from keepwarm.engine.cache.prefix_cache import PrefixCache
 from keepwarm.engine.cache.snapshot import Snapshot
 from keepwarm.engine.cache.snapshot_file import FORMAT_VERSION
 from keepwarm.engine.config import EngineConfig
+from keepwarm.engine.generation.cache_policy import Policy
 from keepwarm.engine.generation.calibration import Calibration
 from keepwarm.engine.generation.decode_graph import DecodeGraphs
 from keepwarm.engine.generation.engine_stats import EngineStats

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from keepwarm.engine.cache.policy import Policy
 from keepwarm.engine.cache.prefix_cache import SessionHint
 from keepwarm.engine.config import ConfigError, EngineConfig
 from keepwarm.engine.engine import Engine, Prompt
+from keepwarm.engine.generation.cache_policy import Policy
 from keepwarm.engine.generation.request import FinishEvent, GenerateRequest, RequestError
 from keepwarm.engine.generation.sampling import SamplingParams
 from tests.api.procs import start_valkey

@@ -24,10 +24,10 @@ import torch
 from safetensors.torch import save_file
 
 from keepwarm.engine.cache.disk_cache import DiskCache
-from keepwarm.engine.cache.policy import Policy
 from keepwarm.engine.cache.snapshot import Snapshot
 from keepwarm.engine.demo import deepseek_v4, gpt_oss, laguna, qwen3_5
 from keepwarm.engine.engine import Engine
+from keepwarm.engine.generation.cache_policy import Policy
 from keepwarm.engine.models.backend import Backend, State
 from tests.engine.test_engine import SYSTEM, USER_TURNS, _cfg, _req, assert_restart_replays, run_conversation
 

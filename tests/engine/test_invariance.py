@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from keepwarm.engine.cache.policy import Policy
 from keepwarm.engine.config import EngineConfig
 from keepwarm.engine.engine import Engine
+from keepwarm.engine.generation.cache_policy import Policy
 from keepwarm.engine.generation.request import FinishEvent, GenerateRequest, TokenEvent
 from keepwarm.engine.generation.sampling import SamplingParams
 from keepwarm.engine.loading.checkpoint import open_checkpoint
@@ -250,7 +250,7 @@ def test_engine_alone_batched_and_chunk_sizes_agree(model: Path, dtype: str) -> 
 def _restart_code(model: Path, dtype: str, cache: Path, prompt: list[int], split: int) -> str:
     return (
         "import json; from pathlib import Path;"
-        "from keepwarm.engine.cache.policy import Policy;"
+        "from keepwarm.engine.generation.cache_policy import Policy;"
         "from tests.engine.test_invariance import Engine, _cfg, _req, _run_together;"
         f"e = Engine(_cfg(Path({str(model)!r}), {dtype!r}, Path({str(cache)!r}), memory_budget=0));"
         f"f = []; r = _run_together(e, [_req({prompt!r}, Policy('fixed', num_tokens={split}))], f)[0];"

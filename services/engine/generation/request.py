@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from keepwarm.engine.cache.policy import Policy
 from keepwarm.engine.cache.prefix_cache import SessionHint
+from keepwarm.engine.generation.cache_policy import Policy
 from keepwarm.engine.generation.field_ranges import LOGIT_BIAS, RANGES, TOKEN_ID
 from keepwarm.engine.generation.sampling import SamplingParams
 from keepwarm.engine.serving.wire import Timings

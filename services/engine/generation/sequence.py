@@ -21,9 +21,9 @@ from typing import TypeAlias
 
 from msgspec import UNSET
 
-from keepwarm.engine.cache.policy import Policy
 from keepwarm.engine.cache.prefix_cache import Hit, Probe
 from keepwarm.engine.cache.snapshot import Snapshot
+from keepwarm.engine.generation.cache_policy import Policy
 from keepwarm.engine.generation.grammar import TokenMatcher
 from keepwarm.engine.generation.request import FinishEvent, GenerateRequest, Timings, TokenEvent
 from keepwarm.engine.generation.sampling import Sampler

@@ -21,9 +21,9 @@ from array import array
 from collections import deque
 from collections.abc import Iterable
 
-from keepwarm.engine.cache.policy import Policy
 from keepwarm.engine.cache.prefix_cache import PrefixCache, Probe, diverged_at
 from keepwarm.engine.cache.snapshot import Snapshot
+from keepwarm.engine.generation.cache_policy import Policy
 from keepwarm.engine.generation.runner import Runner
 from keepwarm.engine.generation.scheduler_output import Scheduled
 from keepwarm.engine.generation.sequence import Prompt, Sequence

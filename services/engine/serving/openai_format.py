@@ -13,8 +13,8 @@ from typing import Any
 
 import msgspec
 
-from keepwarm.engine.cache.policy import Policy, PolicyError, policy_for_request
 from keepwarm.engine.cache.prefix_cache import SessionHint
+from keepwarm.engine.generation.cache_policy import Policy, PolicyError, policy_for_request
 from keepwarm.engine.generation.request import (
     Constraint,
     FinishEvent,

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from keepwarm.engine.cache.policy import parse_policy
 from keepwarm.engine.engine import Engine
+from keepwarm.engine.generation.cache_policy import parse_policy
 from keepwarm.engine.generation.request import FinishEvent, GenerateRequest
 from keepwarm.engine.generation.sampling import SamplingParams
 from keepwarm.engine.generation.sequence import Sequence, Status

@@ -10,8 +10,8 @@ from typing import Any
 import jsonschema
 import torch
 
-from keepwarm.engine.cache.policy import parse_policy
 from keepwarm.engine.engine import Engine
+from keepwarm.engine.generation.cache_policy import parse_policy
 from keepwarm.engine.generation.request import Constraint, FinishEvent, GenerateRequest, TokenEvent
 from keepwarm.engine.generation.sampling import SamplingParams
 from tests.engine.test_engine import SYSTEM, _cfg

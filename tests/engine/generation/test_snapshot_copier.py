@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from keepwarm.engine.cache.policy import Policy
 from keepwarm.engine.cache.snapshot import LOGITS, Snapshot
 from keepwarm.engine.engine import Engine
+from keepwarm.engine.generation.cache_policy import Policy
 from keepwarm.engine.generation.request import FinishEvent
 from keepwarm.engine.generation.snapshot_copier import PendingSnapshot, SnapshotCopier
 from tests.conftest import NO_GPU

@@ -20,9 +20,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from keepwarm.engine.cache.policy import Policy
 from keepwarm.engine.config import ConfigError
 from keepwarm.engine.engine import Engine
+from keepwarm.engine.generation.cache_policy import Policy
 from keepwarm.engine.loading.checkpoint import open_checkpoint
 from keepwarm.engine.models import build_backend
 from keepwarm.engine.models.backend import Backend

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from keepwarm.engine.cache.policy import Policy
+from keepwarm.engine.generation.cache_policy import Policy
 from keepwarm.engine.generation.request import FinishEvent, RequestError, Timings
 from keepwarm.engine.serving import wire
 from keepwarm.engine.serving.openai_format import (

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from keepwarm.engine.cache.policy import Policy, PolicyError, parse_policy, policy_for_request
+from keepwarm.engine.generation.cache_policy import Policy, PolicyError, parse_policy, policy_for_request
 
 
 @pytest.mark.parametrize(
