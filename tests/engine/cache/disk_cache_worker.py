@@ -1,4 +1,4 @@
-"""A separate process using a DiskCache folder, for test_disk_cache.py.
+"""A separate process using a DiskCache folder, for the disk-tier tests (test_disk_cache.py, test_writer.py).
 
 disk_cache_worker.py save ROOT NAMESPACE LO HI GO_FILE
     creates GO_FILE.ready.LO, waits for GO_FILE, saves entries LO..HI-1 (fsync on; a key the other
