@@ -60,7 +60,7 @@ from keepwarm.engine.models.deepseek_v4_weights import (
 from keepwarm.engine.models.geometry import Geometry, SnapshotMismatch, TensorSpec
 from keepwarm.engine.models.placement import Placement
 from keepwarm.engine.models.rope import Rope, build_rope
-from keepwarm.engine.models.step import Step
+from keepwarm.engine.models.step import BatchedForward, Step
 from keepwarm.engine.models.weights import Loader
 from keepwarm.kernels.ops import Ops
 
@@ -265,7 +265,7 @@ def geometry_of(cfg: DeepseekV4Config, dtype: torch.dtype) -> Geometry:
 
 
 # -- backend -----------------------------------------------------------------------
-class DeepseekV4Backend:
+class DeepseekV4Backend(BatchedForward):
     family = "deepseek_v4"
 
     def __init__(
@@ -350,32 +350,15 @@ class DeepseekV4Backend:
         return state
 
     # -- compute -----------------------------------------------------------------------
-    def prefill(self, state: State, tokens: torch.Tensor) -> torch.Tensor:
-        return self._forward([state], [tokens])[0]
-
-    def decode(self, state: State, token: int) -> torch.Tensor:
-        return self._forward([state], [torch.tensor([token], device=self.device)])[0]
-
-    def step(
-        self, states: Sequence[State], chunks: Sequence[torch.Tensor], heads: Sequence[int] | None = None
-    ) -> torch.Tensor:
-        """Batched forward (backend.py): mHC, projections, compressor and indexer projections,
-        MoE and the head over all sum(n_i) tokens at once; sliding window, compressors,
-        indexer scores and attention per sequence. Logits [B, vocab] float32."""
-        return self._forward(states, chunks, heads)
-
-    def forward(self, state: State, tokens: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
-        """Advance `state` by `tokens` [T] (one chunk, any size, any position); logits
-        [1 or T, vocab] float32."""
-        return self._forward([state], [tokens], [len(tokens)] if all_logits else None)
-
     @torch.inference_mode()
     def _forward(
         self, states: Sequence[State], chunks: Sequence[torch.Tensor], heads: Sequence[int] | None = None
     ) -> torch.Tensor:
-        """Advance each `states[b]` by `chunks[b]` [n_b] in one pass over T = sum(n_b) tokens.
-        Logits [sum(heads), vocab] float32: after each chunk's last `heads[b]` tokens (its last
-        token when `heads` is None)."""
+        """Advance each `states[b]` by `chunks[b]` [n_b] (any size, any position) in one pass over
+        T = sum(n_b) tokens: mHC, projections, compressor and indexer projections, MoE and the
+        head over all T at once; sliding window, compressors, indexer scores and attention per
+        sequence. Logits [sum(heads), vocab] float32: after each chunk's last `heads[b]` tokens
+        (its last token when `heads` is None)."""
         c = self.cfg
         step = Step.of(states, chunks, heads)
         tokens = torch.cat([ch.reshape(-1) for ch in chunks]).to(self.device).long()

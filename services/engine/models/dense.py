@@ -25,7 +25,7 @@ from keepwarm.engine.models.moe import Moe, load_experts, moe
 from keepwarm.engine.models.placement import Placement
 from keepwarm.engine.models.rope import Rope, build_rope
 from keepwarm.engine.models.sliding import KvLayout, KvStateBackend
-from keepwarm.engine.models.step import head_rows
+from keepwarm.engine.models.step import BatchedForward, head_rows
 from keepwarm.engine.models.weights import Loader
 from keepwarm.kernels.cpu_decode_step import DecodeStep, DenseShape
 from keepwarm.kernels.ops import Ops
@@ -188,7 +188,7 @@ class _Layer:
     moe: Moe | None = None
 
 
-class DenseBackend(KvStateBackend):
+class DenseBackend(BatchedForward, KvStateBackend):
     """Full attention on every layer: the K/V state, snapshots and adopt of models/sliding.py's
     `KvStateBackend` (`KvLayout.all_full`), with this family's forward and fused decode step."""
 
@@ -255,21 +255,6 @@ class DenseBackend(KvStateBackend):
         return alloc
 
     # -- compute -------------------------------------------------------------
-    def prefill(self, state: State, tokens: torch.Tensor) -> torch.Tensor:
-        return self._forward([state], [tokens])[0]
-
-    def decode(self, state: State, token: int) -> torch.Tensor:
-        return self._forward([state], [torch.tensor([token], device=self.device)])[0]
-
-    def step(
-        self, states: Sequence[State], chunks: Sequence[torch.Tensor], heads: Sequence[int] | None = None
-    ) -> torch.Tensor:
-        return self._forward(states, chunks, heads)
-
-    def forward(self, state: State, tokens: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
-        """Advance `state` by `tokens` [T]; logits [1 or T, vocab] float32."""
-        return self._forward([state], [tokens], [len(tokens)] if all_logits else None)
-
     @torch.inference_mode()
     def _forward(
         self, states: Sequence[State], chunks: Sequence[torch.Tensor], heads: Sequence[int] | None = None

@@ -44,7 +44,7 @@ from keepwarm.engine.models.moe import mlp as _mlp
 from keepwarm.engine.models.moe import moe as _moe
 from keepwarm.engine.models.placement import Placement
 from keepwarm.engine.models.rope import Rope, build_rope
-from keepwarm.engine.models.step import Step
+from keepwarm.engine.models.step import BatchedForward, Step
 from keepwarm.engine.models.weights import Loader
 from keepwarm.kernels.delta_rule import DeltaRuleOps
 from keepwarm.kernels.ops import Ops
@@ -196,7 +196,7 @@ def rms_norm_1p(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tenso
     return (xf * scale).to(x.dtype)
 
 
-class Qwen35Backend:
+class Qwen35Backend(BatchedForward):
     family = "qwen3_5"
 
     def __init__(
@@ -277,31 +277,15 @@ class Qwen35Backend:
         return state
 
     # -- compute -------------------------------------------------------------
-    def prefill(self, state: State, tokens: torch.Tensor) -> torch.Tensor:
-        return self._forward([state], [tokens])[0]
-
-    def decode(self, state: State, token: int) -> torch.Tensor:
-        return self._forward([state], [torch.tensor([token], dtype=torch.int64, device=self.device)])[0]
-
-    def step(
-        self, states: Sequence[State], chunks: Sequence[torch.Tensor], heads: Sequence[int] | None = None
-    ) -> torch.Tensor:
-        """Batched forward (backend.py): projections, MLP/MoE and the head over all sum(n_i)
-        tokens at once; conv windows, delta-rule states and attention per sequence (the
-        decodes of a step share one conv and one delta-rule call). Logits [B, vocab] float32."""
-        return self._forward(states, chunks, heads)
-
-    def forward(self, state: State, tokens: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
-        """Advance `state` by `tokens` [T] int64; logits [1 or T, vocab] float32."""
-        return self._forward([state], [tokens], [len(tokens)] if all_logits else None)
-
     @torch.inference_mode()
     def _forward(
         self, states: Sequence[State], chunks: Sequence[torch.Tensor], heads: Sequence[int] | None = None
     ) -> torch.Tensor:
-        """Advance each `states[b]` by `chunks[b]` [n_b] in one pass over T = sum(n_b) tokens.
-        Logits [sum(heads), vocab] float32: after each chunk's last `heads[b]` tokens (its last
-        token when `heads` is None)."""
+        """Advance each `states[b]` by `chunks[b]` [n_b] in one pass over T = sum(n_b) tokens:
+        projections, MLP/MoE and the head over all T at once; conv windows, delta-rule states
+        and attention per sequence (the decodes of a step share one conv and one delta-rule
+        call). Logits [sum(heads), vocab] float32: after each chunk's last `heads[b]` tokens
+        (its last token when `heads` is None)."""
         c = self.cfg
         step = Step.of(states, chunks, heads)
         tokens = torch.cat([ch.reshape(-1) for ch in chunks]).to(self.device)

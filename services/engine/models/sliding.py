@@ -35,7 +35,7 @@ from keepwarm.engine.models.backend import State
 from keepwarm.engine.models.geometry import Geometry, SnapshotMismatch, TensorSpec, all_rows
 from keepwarm.engine.models.placement import Placement
 from keepwarm.engine.models.rope import Rope
-from keepwarm.engine.models.step import head_rows
+from keepwarm.engine.models.step import BatchedForward, head_rows
 from keepwarm.kernels.ops import Ops
 from keepwarm.kernels.sliding_attention import SlidingAttentionOps
 
@@ -325,7 +325,7 @@ class Ends:
 L = TypeVar("L")
 
 
-class SlidingKvBackend(KvStateBackend, Generic[L]):
+class SlidingKvBackend(BatchedForward, KvStateBackend, Generic[L]):
     """The Backend contract (models/backend.py) for full + sliding attention families, minus
     the family's math (`_hidden`, `_logits`). `ropes` maps each layer kind to its rotary
     embedding (one object for both kinds where they share it)."""
@@ -375,28 +375,11 @@ class SlidingKvBackend(KvStateBackend, Generic[L]):
         raise NotImplementedError
 
     # -- compute ---------------------------------------------------------------------
-    def prefill(self, state: State, tokens: torch.Tensor) -> torch.Tensor:
-        return self.forward(state, tokens)[-1]
-
-    def decode(self, state: State, token: int) -> torch.Tensor:
-        return self.forward(state, torch.tensor([token], dtype=torch.int64, device=self.device))[-1]
-
-    def step(
+    @torch.inference_mode()
+    def _forward(
         self, states: Sequence[State], chunks: Sequence[torch.Tensor], heads: Sequence[int] | None = None
     ) -> torch.Tensor:
-        """Batched forward (backend.py): projections and MoE over all sum(n_i) tokens at once,
-        attention per sequence. Logits [sum(heads), vocab] float32 after each chunk's last
-        `heads[b]` tokens (its last token when `heads` is None)."""
-        return self._run(states, chunks, heads)
-
-    def forward(self, state: State, tokens: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
-        """Advance `state` by `tokens` [T]; logits [1 or T, vocab] float32."""
-        return self._run([state], [tokens], [len(tokens)] if all_logits else None)
-
-    @torch.inference_mode()
-    def _run(
-        self, states: Sequence[State], chunks: Sequence[torch.Tensor], heads: Sequence[int] | None
-    ) -> torch.Tensor:
+        """Projections and MoE over all sum(n_i) tokens at once, attention per sequence."""
         if not states or len(states) != len(chunks):
             raise ValueError(
                 f"step needs one chunk per state, got {len(states)} states and {len(chunks)} chunks"

@@ -91,3 +91,33 @@ def head_rows(lengths: Sequence[int], heads: Sequence[int] | None) -> tuple[list
         lasts.append(len(rows) - 1)
         off += n
     return rows, lasts
+
+
+class BatchedForward:
+    """A backend's compute entry points (models/backend.py: prefill, decode, step, and the tests'
+    forward) on top of its one batched `_forward(states, chunks, heads)`: every family runs every
+    request through the same pass, so a reply's bits do not depend on which entry it came by."""
+
+    device: torch.device  # where tokens enter
+
+    def _forward(
+        self, states: Sequence[State], chunks: Sequence[torch.Tensor], heads: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """Advance each `states[b]` by `chunks[b]` in one pass; logits [sum(heads), vocab] float32
+        after each chunk's last `heads[b]` tokens (its last token when `heads` is None)."""
+        raise NotImplementedError
+
+    def prefill(self, state: State, tokens: torch.Tensor) -> torch.Tensor:
+        return self._forward([state], [tokens])[0]
+
+    def decode(self, state: State, token: int) -> torch.Tensor:
+        return self._forward([state], [torch.tensor([token], dtype=torch.int64, device=self.device)])[0]
+
+    def step(
+        self, states: Sequence[State], chunks: Sequence[torch.Tensor], heads: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        return self._forward(states, chunks, heads)
+
+    def forward(self, state: State, tokens: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+        """Advance `state` by `tokens` [T]; logits [1 or T, vocab] float32."""
+        return self._forward([state], [tokens], [len(tokens)] if all_logits else None)
