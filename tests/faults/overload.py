@@ -61,7 +61,8 @@ class Tally:
 
 def _body(client: int, turn: int, stream: bool, max_tokens: int) -> dict[str, Any]:
     topic = TOPICS[(client + turn) % len(TOPICS)]
-    return {"model": "tiny", "max_tokens": max_tokens, "temperature": 0, "stream": stream,
+    # one token per step (no drafts): a steady drain rate, so the queue fills and Retry-After holds
+    return {"model": "tiny", "max_tokens": max_tokens, "temperature": 0, "stream": stream, "speculate": False,
             "messages": [{"role": "system", "content": "Answer in one line."},
                          {"role": "user", "content": f"Tell me about {topic}, part {turn}."}]}  # fmt: skip
 
