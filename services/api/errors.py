@@ -56,6 +56,11 @@ class ApiError(Exception):
         )
 
 
+def client_closed() -> Response[bytes]:
+    """The answer to a client that left before it came (nginx's 499): nothing reaches anyone."""
+    return Response(content=b"", status_code=499)
+
+
 def upstream_error(status: int, body: bytes, headers: Mapping[str, str]) -> ApiError:
     """An engine's non-200 answer as an ApiError: its message/type/param are kept
     when it used the error shape, its Retry-After is passed on."""

@@ -285,7 +285,6 @@ def build(ckpt: Checkpoint, where: torch.device | Placement, dtype: torch.dtype,
             "config.json: rope partial_rotary_factor must be 1.0 for gpt_oss (every dim rotates)"
         )
     rope = build_rope(raw, d, placement.first)
-    ends = Ends(
-        embed, w("model.norm.weight", (hid,), torch.float32), lm_head
-    )  # the final norm on the last stage
+    final_norm = w("model.norm.weight", (hid,), torch.float32)  # on the last stage, float32
+    ends = Ends(embed, final_norm, lm_head)
     return GptOssBackend(cfg, rope, ends, layers, placement, dtype, ops)

@@ -363,7 +363,11 @@ class SlidingKvBackend(BatchedForward, KvStateBackend, Generic[L]):
         dev = self.placement.device_of(i)
         if x.device == dev:
             return x, cos_sin
-        return x.to(dev), {t: (cos.to(dev), sin.to(dev)) for t, (cos, sin) in cos_sin.items()}
+        moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # kinds sharing a rope share its move
+        for cos, sin in cos_sin.values():
+            if id(cos) not in moved:
+                moved[id(cos)] = (cos.to(dev), sin.to(dev))
+        return x.to(dev), {t: moved[id(cos)] for t, (cos, _) in cos_sin.items()}
 
     # -- the family's part ---------------------------------------------------------
     def _hidden(self, batch: Batch, tokens: torch.Tensor) -> torch.Tensor:

@@ -218,9 +218,9 @@ class ModelSet:
         t0 = time.perf_counter()
         with engine.lock:  # never in the middle of its step
             slot.engine = None
-            engine.close()  # flushes its disk writer: its snapshots are on disk for the next load
-            if self.last_stepped is engine:
+            if self.last_stepped is not None and self.last_stepped is engine:
                 self.last_stepped = None
+            engine.close()  # flushes its disk writer: its snapshots are on disk for the next load
         del engine
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
